@@ -1,0 +1,36 @@
+# lapguard — developer entry points. `make demo` and `make test` work on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DATA_ROOT ?= data
+export LAPGUARD_DATA ?= $(abspath $(DATA_ROOT))
+
+.PHONY: setup data test test-fast lint demo clean
+
+# Create .venv and install the project with its extras; a no-op while pyproject.toml is unchanged.
+setup: $(STAMP)
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# Lay out the embedded Fashion-MNIST where torchvision expects it (installs Debian's package when it can).
+data: setup
+	$(BIN)/lapguard data --root $(DATA_ROOT)
+
+test: setup data
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check detector training service tests benchmarks
+	$(BIN)/ruff format --check detector training service tests benchmarks
+	$(BIN)/mypy
+
+demo: setup data
+	$(BIN)/lapguard demo --root $(DATA_ROOT)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,27 @@
+"""One exception hierarchy; every message says what went wrong and what to do."""
+
+from __future__ import annotations
+
+
+class LapguardError(Exception):
+    """Base class of every error lapguard raises on purpose."""
+
+
+class ConfigError(LapguardError, ValueError):
+    """A configuration, preset or parameter is invalid."""
+
+
+class DataNotFoundError(LapguardError, FileNotFoundError):
+    """A data set or input file is missing; the message names the path searched."""
+
+
+class ArtefactError(LapguardError):
+    """A saved artefact (weights, bundle, cache) is missing, corrupt or does not match."""
+
+
+class InputError(LapguardError, ValueError):
+    """An input (image, array, features) cannot be used: wrong shape, type or content."""
+
+
+class NotFittedError(LapguardError, RuntimeError):
+    """An estimator was used before `fit`."""

@@ -1,0 +1,473 @@
+"""Observable residual networks: one forward pass gives the logits and, through stable taps,
+every block's residual r_m(x_m).
+
+Every block applies ``x_{m+1} = shortcut(x_m) + h * residual(branch(x_m))`` where ``residual`` is an
+``nn.Identity`` tap: a forward hook on it sees r_m(x_m) without a second forward implementation.
+Networks take images in their value range (default [0, 1]) and normalize inside, so attacks,
+clip values and the service all work in pixel space.
+
+Architectures are looked up by name (:func:`get_model`, :func:`list_models`); weights travel as
+``model.safetensors`` + ``config.json`` and come back through :func:`load` alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from detector.errors import ArtefactError, ConfigError
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+FORMAT_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# Configs that travel with the weights
+# --------------------------------------------------------------------------------------------
+class InputSpec(BaseModel):
+    """What images the network takes: shape, value range and the normalization it applies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    channels: int = Field(ge=1, le=4)
+    height: int = Field(ge=1)
+    width: int = Field(ge=1)
+    value_range: tuple[float, float] = (0.0, 1.0)
+    mean: list[float]
+    std: list[float]
+    # How a server treats images of another size/channel count: convert them, or refuse them.
+    resize: Literal["convert", "strict"] = "convert"
+
+    @model_validator(mode="after")
+    def _check_normalization(self) -> InputSpec:
+        if len(self.mean) != self.channels or len(self.std) != self.channels:
+            raise ValueError(
+                f"mean and std need one value per channel ({self.channels}), "
+                f"got {len(self.mean)} and {len(self.std)}"
+            )
+        if any(s <= 0 for s in self.std):
+            raise ValueError("std values must be positive")
+        if self.value_range[0] >= self.value_range[1]:
+            raise ValueError("value_range must be (low, high) with low < high")
+        return self
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.channels, self.height, self.width)
+
+
+class NetworkConfig(BaseModel):
+    """Everything needed to rebuild a network from its weights file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = FORMAT_VERSION
+    architecture: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    class_names: list[str]
+    input_spec: InputSpec
+
+    @field_validator("format_version")
+    @classmethod
+    def _known_version(cls, value: int) -> int:
+        if value != FORMAT_VERSION:
+            raise ValueError(f"unknown network format version {value} (this lapguard reads {FORMAT_VERSION})")
+        return value
+
+    @field_validator("architecture")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in _MODELS:
+            raise ValueError(f"unknown architecture {value!r}; registered: {', '.join(list_models())}")
+        return value
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------
+class Normalize(nn.Module):
+    """(x - mean) / std per channel, with the constants stored as buffers (they travel with the weights)."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(list(mean), dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(list(std), dtype=torch.float32).view(1, -1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+class ResidualBlock(nn.Module):
+    """x -> shortcut(x) + h * residual(branch(x)), optionally followed by an activation.
+
+    ``residual`` is the tap: an identity whose forward hook sees r(x) before the step size h.
+    ``post_activation`` gives ResNeXt-style blocks, x -> relu(shortcut(x) + h r(x)).
+    """
+
+    def __init__(
+        self,
+        branch: nn.Module,
+        *,
+        h: float = 1.0,
+        shortcut: nn.Module | None = None,
+        post_activation: bool = False,
+    ) -> None:
+        super().__init__()
+        self.branch = branch
+        self.residual = nn.Identity()
+        self.shortcut = shortcut if shortcut is not None else nn.Identity()
+        self.h = h
+        self.activation: nn.Module = nn.ReLU(inplace=False) if post_activation else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.shortcut(x) + self.h * self.residual(self.branch(x)))
+
+
+class ObservableResNet(nn.Module):
+    """normalize -> stem -> residual blocks -> head. Residual taps are ``blocks.{m}.residual``."""
+
+    def __init__(
+        self,
+        *,
+        stem: nn.Module,
+        blocks: Sequence[ResidualBlock],
+        head: nn.Module,
+        mean: Sequence[float],
+        std: Sequence[float],
+        negate_logits: bool = False,
+    ) -> None:
+        super().__init__()
+        self.normalize = Normalize(mean, std)
+        self.stem = stem
+        self.blocks = nn.Sequential(*blocks)
+        self.head = head
+        # RCE networks predict with the negated logits (Pang et al. 2018); we return those, so
+        # every consumer (attacks, detectors, service) sees ordinary "higher = more likely" logits.
+        self.negate_logits = negate_logits
+        self.config: NetworkConfig | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.blocks(self.stem(self.normalize(x))))
+        return -logits if self.negate_logits else logits
+
+    def tap_names(self) -> list[str]:
+        """Names of the residual taps, in depth order."""
+        return [f"blocks.{m}.residual" for m in range(len(self.blocks))]
+
+
+def _conv_bn(cin: int, cout: int, *, stride: int = 1, groups: int = 1, kernel: int = 3) -> list[nn.Module]:
+    return [
+        nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(cout),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Registry (modelled on torchvision.models: keyword-only builders looked up by name)
+# --------------------------------------------------------------------------------------------
+Builder = Callable[..., ObservableResNet]
+_MODELS: dict[str, Builder] = {}
+
+
+def register_model(name: str) -> Callable[[Builder], Builder]:
+    """Decorator that registers a keyword-only network builder under ``name``."""
+
+    def wrap(builder: Builder) -> Builder:
+        if name in _MODELS:
+            raise ValueError(f"architecture {name!r} is registered twice")
+        _MODELS[name] = builder
+        return builder
+
+    return wrap
+
+
+def list_models() -> list[str]:
+    """Names of every registered architecture."""
+    return sorted(_MODELS)
+
+
+def get_model(name: str, **kwargs: Any) -> ObservableResNet:
+    """Build the registered architecture ``name`` with keyword arguments."""
+    if name not in _MODELS:
+        raise ConfigError(f"unknown architecture {name!r}; registered: {', '.join(list_models())}")
+    try:
+        return _MODELS[name](**kwargs)
+    except TypeError as error:
+        raise ConfigError(f"bad arguments for architecture {name!r}: {error}") from error
+
+
+@register_model("resnet9_mnist")
+def resnet9_mnist(
+    *,
+    num_classes: int = 10,
+    in_channels: int = 1,
+    mean: Sequence[float] = (0.2860,),
+    std: Sequence[float] = (0.3530,),
+    width: int = 32,
+    depth: int = 9,
+    hidden: int = 32,
+    input_size: int = 28,
+    h: float = 1.0,
+    negate_logits: bool = False,
+) -> ObservableResNet:
+    """The seed's MNIST/Fashion-MNIST network: two convs encode CxSxS into width x S/2 x S/2,
+    ``depth`` residual blocks (conv-BN-ReLU-conv-BN), classifier FC-BN-ReLU-FC."""
+    stem = nn.Sequential(
+        *_conv_bn(in_channels, width),
+        nn.ReLU(),
+        *_conv_bn(width, width, stride=2),
+        nn.ReLU(),
+    )
+    blocks = [
+        ResidualBlock(nn.Sequential(*_conv_bn(width, width), nn.ReLU(), *_conv_bn(width, width)), h=h)
+        for _ in range(depth)
+    ]
+    side = (input_size + 1) // 2
+    head = nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(width * side * side, hidden),
+        nn.BatchNorm1d(hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, num_classes),
+    )
+    return ObservableResNet(stem=stem, blocks=blocks, head=head, mean=mean, std=std, negate_logits=negate_logits)
+
+
+def _preact_basic(cin: int, cout: int, stride: int, *, h: float, dropout: float = 0.0) -> ResidualBlock:
+    layers: list[nn.Module] = [
+        nn.BatchNorm2d(cin),
+        nn.ReLU(),
+        nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(),
+    ]
+    if dropout > 0:
+        layers.append(nn.Dropout(dropout))
+    layers.append(nn.Conv2d(cout, cout, 3, padding=1, bias=False))
+    shortcut = None
+    if stride != 1 or cin != cout:
+        shortcut = nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+    return ResidualBlock(nn.Sequential(*layers), h=h, shortcut=shortcut)
+
+
+def _preact_network(
+    *,
+    widths: Sequence[int],
+    blocks_per_stage: int,
+    num_classes: int,
+    in_channels: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    h: float,
+    dropout: float,
+    stem_width: int,
+    negate_logits: bool,
+) -> ObservableResNet:
+    stem = nn.Conv2d(in_channels, stem_width, 3, padding=1, bias=False)
+    blocks: list[ResidualBlock] = []
+    cin = stem_width
+    for stage, cout in enumerate(widths):
+        for b in range(blocks_per_stage):
+            stride = 2 if (stage > 0 and b == 0) else 1
+            blocks.append(_preact_basic(cin, cout, stride, h=h, dropout=dropout))
+            cin = cout
+    head = nn.Sequential(
+        nn.BatchNorm2d(cin), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)
+    )
+    return ObservableResNet(stem=stem, blocks=blocks, head=head, mean=mean, std=std, negate_logits=negate_logits)
+
+
+@register_model("resnet110")
+def resnet110(
+    *,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    mean: Sequence[float] = (0.4914, 0.4822, 0.4465),
+    std: Sequence[float] = (0.2470, 0.2435, 0.2616),
+    depth: int = 110,
+    base_width: int = 16,
+    h: float = 1.0,
+    negate_logits: bool = False,
+) -> ObservableResNet:
+    """CIFAR pre-activation ResNet (He et al. 2016b): 3 stages of (depth-2)/6 basic blocks."""
+    if (depth - 2) % 6 != 0 or depth < 8:
+        raise ConfigError(f"resnet110 depth must be 6n+2 (e.g. 20, 56, 110), got {depth}")
+    return _preact_network(
+        widths=[base_width, 2 * base_width, 4 * base_width],
+        blocks_per_stage=(depth - 2) // 6,
+        num_classes=num_classes,
+        in_channels=in_channels,
+        mean=mean,
+        std=std,
+        h=h,
+        dropout=0.0,
+        stem_width=base_width,
+        negate_logits=negate_logits,
+    )
+
+
+@register_model("wide_resnet")
+def wide_resnet(
+    *,
+    num_classes: int = 200,
+    in_channels: int = 3,
+    mean: Sequence[float] = (0.4802, 0.4481, 0.3975),
+    std: Sequence[float] = (0.2770, 0.2691, 0.2821),
+    depth: int = 16,
+    widen_factor: int = 4,
+    dropout: float = 0.0,
+    h: float = 1.0,
+    negate_logits: bool = False,
+) -> ObservableResNet:
+    """Wide ResNet (Zagoruyko & Komodakis 2016), pre-activation, 3 stages of (depth-4)/6 blocks."""
+    if (depth - 4) % 6 != 0 or depth < 10:
+        raise ConfigError(f"wide_resnet depth must be 6n+4 (e.g. 16, 28), got {depth}")
+    return _preact_network(
+        widths=[16 * widen_factor, 32 * widen_factor, 64 * widen_factor],
+        blocks_per_stage=(depth - 4) // 6,
+        num_classes=num_classes,
+        in_channels=in_channels,
+        mean=mean,
+        std=std,
+        h=h,
+        dropout=dropout,
+        stem_width=16,
+        negate_logits=negate_logits,
+    )
+
+
+def _resnext_bottleneck(cin: int, cout: int, stride: int, *, cardinality: int, group_width: int, h: float) -> ResidualBlock:
+    inner = cardinality * group_width
+    branch = nn.Sequential(
+        *_conv_bn(cin, inner, kernel=1),
+        nn.ReLU(),
+        *_conv_bn(inner, inner, stride=stride, groups=cardinality),
+        nn.ReLU(),
+        *_conv_bn(inner, cout, kernel=1),
+    )
+    shortcut = None
+    if stride != 1 or cin != cout:
+        shortcut = nn.Sequential(*_conv_bn(cin, cout, stride=stride, kernel=1))
+    return ResidualBlock(branch, h=h, shortcut=shortcut, post_activation=True)
+
+
+@register_model("resnext50")
+def resnext50(
+    *,
+    num_classes: int = 100,
+    in_channels: int = 3,
+    mean: Sequence[float] = (0.5071, 0.4865, 0.4409),
+    std: Sequence[float] = (0.2673, 0.2564, 0.2762),
+    layers: Sequence[int] = (3, 4, 6, 3),
+    cardinality: int = 32,
+    group_width: int = 4,
+    base_width: int = 64,
+    h: float = 1.0,
+    negate_logits: bool = False,
+) -> ObservableResNet:
+    """CIFAR-style ResNeXt-50 (32x4d): 3x3 stem without max-pool, post-activation bottlenecks."""
+    stem = nn.Sequential(*_conv_bn(in_channels, base_width), nn.ReLU())
+    blocks: list[ResidualBlock] = []
+    cin = base_width
+    for stage, count in enumerate(layers):
+        cout = base_width * 4 * (2**stage)
+        width = group_width * (2**stage)
+        for b in range(count):
+            stride = 2 if (stage > 0 and b == 0) else 1
+            blocks.append(_resnext_bottleneck(cin, cout, stride, cardinality=cardinality, group_width=width, h=h))
+            cin = cout
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
+    return ObservableResNet(stem=stem, blocks=blocks, head=head, mean=mean, std=std, negate_logits=negate_logits)
+
+
+# --------------------------------------------------------------------------------------------
+# Building from a config, saving and loading
+# --------------------------------------------------------------------------------------------
+def build_network(config: NetworkConfig) -> ObservableResNet:
+    """Build the (untrained) network a config describes; the config is attached as ``.config``."""
+    spec = config.input_spec
+    model = get_model(
+        config.architecture,
+        num_classes=config.num_classes,
+        in_channels=spec.channels,
+        mean=spec.mean,
+        std=spec.std,
+        **config.arguments,
+    )
+    model.config = config
+    return model
+
+
+def save(model: ObservableResNet, directory: str | Path, config: NetworkConfig | None = None) -> Path:
+    """Write ``model.safetensors`` + ``config.json`` into ``directory`` (created if needed)."""
+    config = config or model.config
+    if config is None:
+        raise ConfigError("save needs a NetworkConfig: pass one or build the model with build_network")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    tmp_weights = directory / (WEIGHTS_FILE + ".tmp")
+    save_file(state, str(tmp_weights), metadata={"architecture": config.architecture})
+    tmp_weights.replace(directory / WEIGHTS_FILE)
+    tmp_config = directory / (CONFIG_FILE + ".tmp")
+    tmp_config.write_text(config.model_dump_json(indent=2))
+    tmp_config.replace(directory / CONFIG_FILE)
+    return directory
+
+
+def read_config(directory: str | Path) -> NetworkConfig:
+    """Read and validate ``config.json`` of a saved network."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise ArtefactError(f"no network config at {path}: a saved network is a directory with {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        return NetworkConfig.model_validate(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ValidationError) as error:
+        raise ArtefactError(f"invalid network config {path}: {error}") from error
+
+
+def load(directory: str | Path, *, device: str | torch.device = "cpu") -> ObservableResNet:
+    """Load a network saved by :func:`save` from its directory alone, in eval mode."""
+    directory = Path(directory)
+    config = read_config(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ArtefactError(f"no weights at {weights}")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ArtefactError(f"cannot read weights {weights}: {error}") from error
+    model = build_network(config)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        raise ArtefactError(f"weights {weights} do not match architecture {config.architecture}: {error}") from error
+    return model.to(device).eval()
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` picks CUDA when present, else CPU; anything else is passed to torch.device."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ConfigError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from error
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for but CUDA is not available; use --device cpu or auto")
+    return resolved

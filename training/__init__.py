@@ -1,0 +1,1 @@
+"""lapguard offline pipeline: data, LAP/vanilla/RCE training, attacks, experiments, reports, CLI."""

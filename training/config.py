@@ -1,0 +1,86 @@
+"""Typed training configuration, saved beside every trained network."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from detector.errors import ConfigError
+
+
+class LapSettings(BaseModel):
+    """Uzawa settings: lambda starts at ``lambda0`` and grows by tau * L every ``every`` steps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lambda0: float = Field(1.0, gt=0)
+    tau: float = Field(1.0, ge=0)
+    every: int = Field(1, ge=1)
+
+
+class TrainConfig(BaseModel):
+    """One network's training run. Every field has the seed's meaning (appendix H.1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "custom"
+    dataset: str = "fashion-mnist"
+    architecture: str = "resnet9_mnist"
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    objective: Literal["vanilla", "lap", "lap-fixed", "rce"] = "vanilla"
+    lap: LapSettings = Field(default_factory=LapSettings)
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(1e-4, ge=0)
+    milestones: list[int] = Field(default_factory=list)
+    gamma: float = Field(0.1, gt=0)
+    init: Literal["default", "kaiming", "orthogonal"] = "kaiming"
+    init_gain: float = Field(1.0, gt=0)
+    grad_clip: float | None = Field(None, gt=0)
+    augment: bool = False
+    val_fraction: float = Field(0.1, ge=0, lt=1)
+    train_subset: int | None = Field(None, ge=1)
+    test_subset: int | None = Field(None, ge=1)
+    amp: bool = False
+    seed: int = 0
+    device: str = "auto"
+    num_workers: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        from detector.networks import list_models
+        from training.data import DATASETS
+
+        if self.architecture not in list_models():
+            raise ValueError(f"unknown architecture {self.architecture!r}; registered: {', '.join(list_models())}")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"unknown data set {self.dataset!r}; known: {', '.join(sorted(DATASETS))}")
+        if sorted(self.milestones) != self.milestones:
+            raise ValueError("milestones must be increasing epochs")
+        if self.objective == "lap-fixed" and self.lap.tau != 0:
+            self.lap = self.lap.model_copy(update={"tau": 0.0})
+        return self
+
+    def fingerprint(self) -> str:
+        """Hash of what determines the result (not where it runs), to key checkpoints."""
+        relevant = self.model_dump(exclude={"device", "num_workers", "name"})
+        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_train_config(path: str | Path) -> TrainConfig:
+    """Load a TrainConfig from a JSON file with a clear error for every problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        return TrainConfig.model_validate(json.loads(path.read_text()))
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"config file {path} is not valid JSON: {error}") from error
+    except ValidationError as error:
+        raise ConfigError(f"invalid training config {path}:\n{error}") from error
