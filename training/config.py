@@ -47,6 +47,7 @@ class TrainConfig(BaseModel):
     val_fraction: float = Field(0.1, ge=0, lt=1)
     train_subset: int | None = Field(None, ge=1)
     test_subset: int | None = Field(None, ge=1)
+    verify_data: bool = True
     amp: bool = False
     seed: int = 0
     device: str = "auto"
@@ -69,7 +70,7 @@ class TrainConfig(BaseModel):
 
     def fingerprint(self) -> str:
         """Hash of what determines the result (not where it runs), to key checkpoints."""
-        relevant = self.model_dump(exclude={"device", "num_workers", "name"})
+        relevant = self.model_dump(exclude={"device", "num_workers", "name", "verify_data"})
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 

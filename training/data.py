@@ -48,7 +48,7 @@ class DatasetInfo:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     class_names: tuple[str, ...]
-    loader: Callable[[Path, str, bool], Dataset] = field(repr=False, compare=False)
+    loader: Callable[[Path, str, bool, bool], Dataset] = field(repr=False, compare=False)
 
     def input_spec(self) -> InputSpec:
         return InputSpec(
@@ -65,28 +65,49 @@ def _split_flag(split: str) -> bool:
     return split == "train"
 
 
-def _fashion_mnist(root: Path, split: str, download: bool) -> Dataset:
+class _CIFAR10Files(datasets.CIFAR10):
+    """CIFAR-10 whose files are checked for presence only (md5 None): re-encoded or test copies."""
+
+    train_list = [(name, None) for name, _ in datasets.CIFAR10.train_list]
+    test_list = [(name, None) for name, _ in datasets.CIFAR10.test_list]
+    meta = {**datasets.CIFAR10.meta, "md5": None}
+
+
+class _CIFAR100Files(datasets.CIFAR100):
+    train_list = [(name, None) for name, _ in datasets.CIFAR100.train_list]
+    test_list = [(name, None) for name, _ in datasets.CIFAR100.test_list]
+    meta = {**datasets.CIFAR100.meta, "md5": None}
+
+
+class _SVHNFiles(datasets.SVHN):
+    split_list = {split: [url, name, None] for split, (url, name, _) in datasets.SVHN.split_list.items()}
+
+
+def _fashion_mnist(root: Path, split: str, download: bool, verify: bool) -> Dataset:
     return datasets.FashionMNIST(str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download)
 
 
-def _mnist(root: Path, split: str, download: bool) -> Dataset:
+def _mnist(root: Path, split: str, download: bool, verify: bool) -> Dataset:
     return datasets.MNIST(str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download)
 
 
-def _cifar10(root: Path, split: str, download: bool) -> Dataset:
-    return datasets.CIFAR10(str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download)
+def _cifar10(root: Path, split: str, download: bool, verify: bool) -> Dataset:
+    cls = datasets.CIFAR10 if verify else _CIFAR10Files
+    return cls(str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download)
 
 
-def _cifar100(root: Path, split: str, download: bool) -> Dataset:
-    return datasets.CIFAR100(str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download)
+def _cifar100(root: Path, split: str, download: bool, verify: bool) -> Dataset:
+    cls = datasets.CIFAR100 if verify else _CIFAR100Files
+    return cls(str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download)
 
 
-def _svhn(root: Path, split: str, download: bool) -> Dataset:
+def _svhn(root: Path, split: str, download: bool, verify: bool) -> Dataset:
     _split_flag(split)
-    return datasets.SVHN(str(root / "svhn"), split=split, transform=_TO_TENSOR, download=download)
+    cls = datasets.SVHN if verify else _SVHNFiles
+    return cls(str(root / "svhn"), split=split, transform=_TO_TENSOR, download=download)
 
 
-def _imagefolder(root: Path, split: str, download: bool) -> Dataset:
+def _imagefolder(root: Path, split: str, download: bool, verify: bool) -> Dataset:
     # TinyImageNet-style layout: ROOT/tiny-imagenet-200/{train,val}/<class>/**/*.JPEG, or any
     # ROOT/imagefolder/{train,test}/<class>/*.png. Validation folders must be sorted by class.
     _split_flag(split)
@@ -132,12 +153,18 @@ def dataset_info(name: str) -> DatasetInfo:
     return DATASETS[name]
 
 
-def load_dataset(name: str, split: str = "train", *, root: str | Path | None = None, download: bool = False) -> Dataset:
-    """A torchvision data set by name; a missing data set is a DataNotFoundError naming the path."""
+def load_dataset(
+    name: str, split: str = "train", *, root: str | Path | None = None, download: bool = False, verify: bool = True
+) -> Dataset:
+    """A torchvision data set by name; a missing data set is a DataNotFoundError naming the path.
+
+    ``verify=False`` accepts CIFAR/SVHN files that are present but not torchvision's originals
+    (md5 not checked), e.g. small copies in torchvision's on-disk format.
+    """
     info = dataset_info(name)
     root = Path(root) if root is not None else default_root()
     try:
-        dataset = info.loader(root, split, download)
+        dataset = info.loader(root, split, download, verify)
     except RuntimeError as error:  # torchvision: "Dataset not found or corrupted..."
         hint = "run `make data` (or `lapguard data`)" if name == "fashion-mnist" else "pass --download on a machine with internet"
         raise DataNotFoundError(f"data set {name!r} ({split}) not found under {root.resolve()}: {error} — {hint}") from error

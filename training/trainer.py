@@ -114,7 +114,7 @@ def train_one_epoch(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> dict[str, float]:
+def evaluate(model: nn.Module, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> dict[str, float | None]:
     """Accuracy and transport cost (sum over blocks of mean r^2) of ``model`` in eval mode."""
     model.eval()
     correct = count = 0
@@ -128,7 +128,7 @@ def evaluate(model: nn.Module, loader: Iterable[tuple[torch.Tensor, torch.Tensor
             count += y.shape[0]
             taps.clear()
     if count == 0:
-        return {"accuracy": float("nan"), "transport": float("nan")}
+        return {"accuracy": None, "transport": None}
     return {"accuracy": correct / count, "transport": transport_sum / count}
 
 
@@ -171,13 +171,13 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _loaders(config: TrainConfig, root: str | Path | None) -> tuple[DataLoader, DataLoader, DataLoader, list[str]]:
-    full_train = load_dataset(config.dataset, "train", root=root)
+    full_train = load_dataset(config.dataset, "train", root=root, verify=config.verify_data)
     names = class_names(config.dataset, full_train)
     train_set, val_set = train_val_split(full_train, config.val_fraction, config.seed)
     train_set = subset(train_set, config.train_subset, config.seed)
     if config.train_subset is not None:
         val_set = subset(val_set, max(config.train_subset // 10, 1), config.seed)
-    test_set: Dataset = subset(load_dataset(config.dataset, "test", root=root), config.test_subset, config.seed)
+    test_set: Dataset = subset(load_dataset(config.dataset, "test", root=root, verify=config.verify_data), config.test_subset, config.seed)
     common = {"batch_size": config.batch_size, "num_workers": config.num_workers}
     generator = torch.Generator().manual_seed(config.seed)
     train_loader = DataLoader(train_set, shuffle=True, drop_last=False, generator=generator, **common)
