@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -41,3 +42,195 @@ def plot_training_curve(steps: Sequence[dict[str, Any]], epochs: Sequence[dict[s
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# ---- evaluation report figures ----------------------------------------------------------------
+
+_CLEAN_STYLE = {"color": "black", "linewidth": 2.0}
+
+
+def _save(fig: Any, path: Path) -> Path:
+    """Lay out, write and close a figure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_roc_curves(
+    panels: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]],
+    path: str | Path,
+    *,
+    title: str = "",
+) -> Path:
+    """ROC curves, one panel per key of `panels` (e.g. per network), one curve per
+    `label: (is_abnormal, score)` inside it; higher score = more abnormal."""
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    path = Path(path)
+    fig, axes = plt.subplots(
+        1, max(1, len(panels)), figsize=(5.2 * max(1, len(panels)), 4.6), squeeze=False
+    )
+    for ax, (name, curves) in zip(axes[0], panels.items(), strict=False):
+        ax.plot([0, 1], [0, 1], linestyle=":", color="grey", linewidth=1)
+        for label, (truth, score) in curves.items():
+            finite = np.isfinite(np.asarray(score, dtype=np.float64))
+            truth, score = np.asarray(truth, dtype=bool)[finite], np.asarray(score)[finite]
+            if truth.all() or not truth.any():
+                ax.plot([], [], label=f"{label} (one class only)")
+                continue
+            fpr, tpr, _ = roc_curve(truth, score)
+            ax.plot(fpr, tpr, label=f"{label} (AUC {roc_auc_score(truth, score):.3f})")
+        ax.set(
+            title=name,
+            xlabel="false positive rate",
+            ylabel="true positive rate",
+            xlim=(0, 1),
+            ylim=(0, 1.01),
+        )
+        ax.legend(loc="lower right", fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _histogram_bins(values: np.ndarray, bins: int) -> tuple[np.ndarray, bool]:
+    """Shared bin edges over the 0.1–99.9 percentiles of the values (outliers go to the edge bins);
+    logarithmic when the values are positive and span decades."""
+    low, high = (float(v) for v in np.quantile(values, [0.001, 0.999]))
+    if low > 0 and high / low > 50:
+        return np.geomspace(low, high, bins + 1), True
+    if high <= low:
+        high = low + 1e-6
+    return np.linspace(low, high, bins + 1), False
+
+
+def _histogram_panel(
+    ax: Any, clean: np.ndarray, other: np.ndarray, label: str, quantiles: Sequence[float]
+) -> None:
+    """Clean vs one abnormal set, with the clean quantiles as vertical lines."""
+    clean, other = clean[np.isfinite(clean)], other[np.isfinite(other)]
+    if len(clean) < 2 or len(other) < 1:
+        ax.text(0.5, 0.5, "too few finite values", ha="center", va="center", transform=ax.transAxes)
+        return
+    edges, log = _histogram_bins(np.concatenate([clean, other]), 60)
+    low, high = np.quantile(clean, [quantiles[0], quantiles[-1]])
+    outside = float(np.mean((other < low) | (other > high)))
+    ax.hist(
+        np.clip(clean, edges[0], edges[-1]),
+        bins=edges,
+        density=True,
+        alpha=0.55,
+        color="tab:blue",
+        label=f"clean (n={len(clean)})",
+    )
+    ax.hist(
+        np.clip(other, edges[0], edges[-1]),
+        bins=edges,
+        density=True,
+        alpha=0.55,
+        color="tab:red",
+        label=f"{label} (n={len(other)}, {outside:.0%} outside)",
+    )
+    ax.axvline(
+        low,
+        color="black",
+        linestyle="--",
+        linewidth=1.2,
+        label=f"clean {quantiles[0]:g} / {quantiles[-1]:g} quantiles",
+    )
+    ax.axvline(high, color="black", linestyle="--", linewidth=1.2)
+    if log:
+        ax.set_xscale("log")
+    ax.set_yticks([])
+    ax.legend(fontsize="x-small", loc="best", framealpha=0.8)
+
+
+def plot_transport_histograms(
+    panels: Mapping[str, Mapping[str, np.ndarray]],
+    path: str | Path,
+    *,
+    clean: str = "clean",
+    quantiles: Sequence[float] = (0.02, 0.98),
+    title: str = "",
+) -> Path:
+    """Histograms of the per-sample transport cost (seed 003 fig. 21): one column per network
+    (key of `panels`), one row per abnormal set, each against that network's `clean` set, with
+    the clean `quantiles` as dashed vertical lines. Legends give the share of the abnormal set
+    outside the quantile band (the zero-shot detection rate)."""
+    path = Path(path)
+    sets = list(dict.fromkeys(s for costs in panels.values() for s in costs if s != clean))
+    rows, cols = max(1, len(sets)), max(1, len(panels))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 2.7 * rows + 0.6), squeeze=False)
+    for col, (name, costs) in enumerate(panels.items()):
+        for row, label in enumerate(sets):
+            ax = axes[row][col]
+            ax.set_title(f"{name}: clean vs {label}", fontsize="medium")
+            if clean not in costs or label not in costs:
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
+                ax.set_axis_off()
+                continue
+            _histogram_panel(
+                ax, np.asarray(costs[clean]), np.asarray(costs[label]), label, quantiles
+            )
+        axes[-1][col].set_xlabel("transport cost C = sum over blocks of ||r_m||^2 / d_m")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _trajectory_band(ax: Any, values: np.ndarray, style: dict[str, Any]) -> Any:
+    """Mean over samples per block, with a +-1 std band; returns the line."""
+    blocks = np.arange(values.shape[1])
+    mean, std = values.mean(axis=0), values.std(axis=0)
+    (line,) = ax.plot(blocks, mean, marker="o", markersize=3, **style)
+    ax.fill_between(blocks, mean - std, mean + std, color=line.get_color(), alpha=0.1)
+    return line
+
+
+def plot_feature_trajectories(
+    panels: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]],
+    path: str | Path,
+    *,
+    clean: str = "clean",
+    title: str = "",
+) -> Path:
+    """Per-block transport features, mean +- std over samples: top row ||r_m||^2/d_m, bottom row
+    cos(r_m, 1); one column per network (key of `panels`), one line per set
+    `label: (msq [N, M], cos [N, M])`, the `clean` set in black."""
+    path = Path(path)
+    cols = max(1, len(panels))
+    fig, axes = plt.subplots(2, cols, figsize=(5.2 * cols + 2.2, 6.6), squeeze=False, sharey="row")
+    colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4)
+    set_colors: dict[str, dict[str, Any]] = {}
+    handles: dict[str, Any] = {}
+    for col, (name, sets) in enumerate(panels.items()):
+        for label, (msq, cos) in sets.items():
+            style = set_colors.setdefault(
+                label, _CLEAN_STYLE if label == clean else {"color": next(colors), "linewidth": 1.2}
+            )
+            handles[label] = _trajectory_band(axes[0][col], np.asarray(msq), style)
+            _trajectory_band(axes[1][col], np.asarray(cos), style)
+        axes[0][col].set_title(name)
+        axes[1][col].set_xlabel("block m")
+        for row in (0, 1):
+            axes[row][col].xaxis.get_major_locator().set_params(integer=True)
+        means = np.concatenate([np.asarray(msq).mean(axis=0) for msq, _ in sets.values()])
+        if means.min() > 0 and means.max() / means.min() > 20:
+            axes[0][col].set_yscale("log")
+    axes[0][0].set_ylabel("||r_m||^2 / d_m")
+    axes[1][0].set_ylabel("cos(r_m, 1)")
+    right = 1 - 1.9 / (5.2 * cols + 2.2)
+    fig.legend(
+        list(handles.values()),
+        list(handles),
+        loc="center left",
+        bbox_to_anchor=(right, 0.5),
+        fontsize="small",
+    )
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, right, 1))
+    return _save(fig, path)

@@ -1,0 +1,684 @@
+"""The evaluation report of a run: ``RUN/report.md`` and ``RUN/figures/*.png``.
+
+Reads only the run directory's files (DESIGN.md §5)::
+
+    pipeline_config.json                     preset name, data set, optional "not_run" attacks
+    results.json                             models, attacks, detection and OOD rows, timing
+    models/<model>/metrics.jsonl             per-epoch metrics (final transport cost)
+    features/<model>/<set>.npz               features [N, 2M] (+ feature_names), logits
+    scores/<model>/<detector>/<setting>/<train>__<test>.npz   is_abnormal, scores (first seed)
+
+Tables follow seed 003 tables 12–15: rows "<NETWORK> <DETECTOR>" (e.g. "VAN TR", "LAP MH"),
+columns the attacks or data sets, cells "mean ± std" in percent over the protocol's runs, the best
+cell of each column in bold. Pieces that a run does not have are reported as "not run".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from detector import __version__
+from detector.errors import ArtefactError
+from training.plots import plot_feature_trajectories, plot_roc_curves, plot_transport_histograms
+
+NOT_RUN = "not run"
+CLEAN = "clean"
+OOD_PREFIX = "ood-"
+MODEL_ORDER = ("vanilla", "rce", "lap")
+MODEL_LABELS = {"vanilla": "VAN", "lap": "LAP", "rce": "RCE"}
+DETECTOR_ORDER = ("transport", "mahalanobis", "nss", "quantile")
+DETECTOR_LABELS = {"transport": "TR", "mahalanobis": "MH", "nss": "NS", "quantile": "QT"}
+ATTACK_ORDER = (
+    "fgm",
+    "pgd",
+    "apgd",
+    "bim",
+    "autoattack",
+    "aa",
+    "deepfool",
+    "cw",
+    "hsj",
+    "hopskipjump",
+    "boundary",
+)
+ATTACK_LABELS = {
+    "fgm": "FGM",
+    "pgd": "PGD",
+    "apgd": "APGD",
+    "bim": "BIM",
+    "autoattack": "AA",
+    "aa": "AA",
+    "deepfool": "DF",
+    "cw": "CW",
+    "hsj": "HSJ",
+    "hopskipjump": "HSJ",
+    "boundary": "BA",
+}
+_EPS = re.compile(r"^(?P<name>.+?)-eps(?P<eps>[0-9.eE+-]+)$")
+_MSQ = re.compile(r"^msq_(\d+)$")
+_COS = re.compile(r"^cos_(\d+)$")
+
+Record = Mapping[str, Any]
+
+
+# ---- names and ordering -----------------------------------------------------------------------
+
+
+def _split_eps(key: str) -> tuple[str, float | None]:
+    """'fgm-eps0.1' -> ('fgm', 0.1); 'bim' -> ('bim', None)."""
+    match = _EPS.match(key)
+    if not match:
+        return key, None
+    try:
+        return match["name"], float(match["eps"])
+    except ValueError:
+        return key, None
+
+
+def set_label(key: str) -> str:
+    """Display name of an attack or data set: 'fgm-eps0.03' -> 'FGM ε=0.03', 'ood-digits' -> 'digits'."""
+    if key == CLEAN:
+        return key
+    if key.startswith(OOD_PREFIX):
+        return key[len(OOD_PREFIX) :]
+    name, eps = _split_eps(key)
+    label = ATTACK_LABELS.get(name, name.upper() if name.isalnum() else name)
+    return f"{label} ε={eps:g}" if eps is not None else label
+
+
+def row_label(model: str, detector: str) -> str:
+    """Seed-style row label: ('lap', 'transport') -> 'LAP TR'."""
+    return f"{MODEL_LABELS.get(model, model.upper())} {DETECTOR_LABELS.get(detector, detector.upper())}"
+
+
+def _rank(order: Sequence[str]) -> Callable[[str], tuple[int, str]]:
+    return lambda key: (order.index(key) if key in order else len(order), key)
+
+
+def _set_rank(key: str) -> tuple[int, int, str, float]:
+    """Clean first, then attacks in the seed's order (by ε), then OOD sets."""
+    if key == CLEAN:
+        return (0, 0, key, 0.0)
+    if key.startswith(OOD_PREFIX):
+        return (2, 0, key, 0.0)
+    name, eps = _split_eps(key)
+    index = ATTACK_ORDER.index(name) if name in ATTACK_ORDER else len(ATTACK_ORDER)
+    return (1, index, name, eps if eps is not None else 0.0)
+
+
+def order_models(keys: Iterable[str]) -> list[str]:
+    return sorted(set(keys), key=_rank(MODEL_ORDER))
+
+
+def order_detectors(keys: Iterable[str]) -> list[str]:
+    return sorted(set(keys), key=_rank(DETECTOR_ORDER))
+
+
+def order_sets(keys: Iterable[str]) -> list[str]:
+    return sorted(set(keys), key=_set_rank)
+
+
+# ---- markdown ---------------------------------------------------------------------------------
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1) -> str:
+    """A pipe table with padded, aligned columns; the first `left` columns left-aligned, the rest right."""
+    widths = [max(3, len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = [
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = ["-" * w if i < left else "-" * (w - 1) + ":" for i, w in enumerate(widths)]
+    return "\n".join([line(header), "| " + " | ".join(rule) + " |", *(line(r) for r in rows)])
+
+
+def _percent(value: float) -> str:
+    return f"{100 * value:.2f}"
+
+
+def format_cell(record: Record | None, metric: str) -> str:
+    """'97.14 ± 0.59' (percent) from record[metric] and record[metric + '_std']; NOT_RUN if absent."""
+    if record is None:
+        return NOT_RUN
+    value = record.get(metric)
+    if value is None or not np.isfinite(value):
+        return "n/a"
+    std = record.get(f"{metric}_std")
+    return f"{_percent(value)} ± {_percent(std)}" if std is not None else _percent(value)
+
+
+def _bold_best(
+    cells: list[list[str]], values: list[list[float | None]], higher_is_better: bool
+) -> None:
+    """Bold the best cell(s) of every column in place (only where two or more rows compete)."""
+    for col in range(len(values[0]) if values else 0):
+        column = [value for row in values if (value := row[col]) is not None]
+        if len(column) < 2:
+            continue
+        best = max(column) if higher_is_better else min(column)
+        for row, row_values in zip(cells, values, strict=True):
+            value = row_values[col]
+            if value is not None and abs(value - best) <= 1e-9:
+                row[col + 1] = f"**{row[col + 1]}**"
+
+
+def metric_table(
+    records: Iterable[Record],
+    *,
+    rows: Sequence[tuple[str, str]],
+    columns: Sequence[str],
+    column_of: Callable[[Record], str],
+    metric: str,
+    higher_is_better: bool = True,
+    labels: Sequence[str] | None = None,
+    mean_column: bool = False,
+) -> str:
+    """Seed-layout table: one row per (model, detector), one column per `column_of(record)` key
+    (headed by `labels`, default the keys' display names)."""
+    index = {(r["model"], r["detector"], column_of(r)): r for r in records}
+    header = ["Network Det", *(labels if labels is not None else [set_label(c) for c in columns])]
+    cells: list[list[str]] = []
+    values: list[list[float | None]] = []
+    for model, detector in rows:
+        found = [index.get((model, detector, c)) for c in columns]
+        row_values = [_value(r, metric) for r in found]
+        row_cells = [row_label(model, detector), *(format_cell(r, metric) for r in found)]
+        if mean_column:
+            present = [v for v in row_values if v is not None]
+            mean = float(np.mean(present)) if present else None
+            suffix = "" if len(present) == len(columns) else f" ({len(present)}/{len(columns)})"
+            row_cells.append(_percent(mean) + suffix if mean is not None else NOT_RUN)
+            row_values.append(mean)
+        cells.append(row_cells)
+        values.append(row_values)
+    if mean_column:
+        header.append("mean")
+    _bold_best(cells, values, higher_is_better)
+    return markdown_table(header, cells)
+
+
+def _value(record: Record | None, metric: str) -> float | None:
+    if record is None or record.get(metric) is None:
+        return None
+    value = float(record[metric])
+    return value if np.isfinite(value) else None
+
+
+# ---- reading the run --------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _final_transport(run_dir: Path, model: str) -> float | None:
+    """test_transport of the last epoch in models/<model>/metrics.jsonl, if any."""
+    path = run_dir / "models" / model / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return lines[-1].get("test_transport") if lines else None
+
+
+def block_features(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(msq [N, M], cos [N, M]) from a features npz, by feature_names (block-major fallback)."""
+    with np.load(path, allow_pickle=False) as data:
+        features = np.asarray(data["features"], dtype=np.float64)
+        names = [str(n) for n in data["feature_names"]] if "feature_names" in data.files else None
+    if names is None:
+        return features[:, 0::2], features[:, 1::2]
+    msq = sorted((int(m[1]), i) for i, n in enumerate(names) if (m := _MSQ.match(n)))
+    cos = sorted((int(m[1]), i) for i, n in enumerate(names) if (m := _COS.match(n)))
+    return features[:, [i for _, i in msq]], features[:, [i for _, i in cos]]
+
+
+def load_features(run_dir: Path, model: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every set of features/<model>/, as {set: (msq, cos)} in report order."""
+    folder = run_dir / "features" / model
+    paths = {p.stem: p for p in folder.glob("*.npz")} if folder.is_dir() else {}
+    sets = {key: block_features(paths[key]) for key in order_sets(paths)}
+    return {key: (msq, cos) for key, (msq, cos) in sets.items() if len(msq) and msq.shape[1]}
+
+
+def load_scores(
+    run_dir: Path,
+) -> dict[tuple[str, str, str], dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]]:
+    """{(model, detector, setting): {(train, test): (is_abnormal, scores)}} from scores/."""
+    found: dict[tuple[str, str, str], dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]] = {}
+    for path in sorted((run_dir / "scores").glob("*/*/*/*__*.npz")):
+        setting, detector, model = (
+            path.parent.name,
+            path.parent.parent.name,
+            path.parent.parent.parent.name,
+        )
+        train, test = path.stem.split("__", 1)
+        with np.load(path, allow_pickle=False) as data:
+            found.setdefault((model, detector, setting), {})[(train, test)] = (
+                data["is_abnormal"],
+                data["scores"],
+            )
+    return found
+
+
+# ---- sections ---------------------------------------------------------------------------------
+
+
+def _machine(results: Mapping[str, Any]) -> str:
+    """The machine named in results.json, else the one writing this report."""
+    if results.get("machine"):
+        machine = results["machine"]
+        return (
+            machine
+            if isinstance(machine, str)
+            else ", ".join(f"{k}: {v}" for k, v in machine.items())
+        )
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.read_text().splitlines()
+            if line.startswith("model name")
+        ]
+        cpu = names[0] if names else cpu
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return f"CPU: {cpu} ({os.cpu_count()} cores), GPU: {gpu}, torch {torch.__version__} (the machine writing this report)"
+
+
+def header_section(config: Mapping[str, Any], results: Mapping[str, Any]) -> list[str]:
+    preset = results.get("preset") or config.get("name", "?")
+    dataset = results.get("dataset") or config.get("dataset", "?")
+    rows = [
+        ["preset", str(preset)],
+        ["dataset", str(dataset)],
+        ["date", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")],
+        ["lapguard", __version__],
+        ["machine", _machine(results)],
+    ]
+    return [
+        f"# lapguard evaluation report: {preset} on {dataset}",
+        "",
+        markdown_table(["Run", ""], rows, left=2),
+        "",
+    ]
+
+
+def models_section(run_dir: Path, results: Mapping[str, Any], models: Sequence[str]) -> list[str]:
+    rows = []
+    for model in models:
+        info = results.get("models", {}).get(model, {})
+        accuracy, transport = info.get("test_accuracy"), _final_transport(run_dir, model)
+        rows.append(
+            [
+                f"{MODEL_LABELS.get(model, model.upper())} ({model})",
+                _percent(accuracy) if accuracy is not None else NOT_RUN,
+                str(info.get("epochs", "")),
+                f"{info['train_seconds']:.0f}" if info.get("train_seconds") is not None else "",
+                f"{transport:.4g}" if transport is not None else "",
+            ]
+        )
+    header = ["Network", "Test accuracy (%)", "Epochs", "Train seconds", "Final transport cost C"]
+    curves = [
+        f"[{MODEL_LABELS.get(m, m.upper())}](models/{m}/training_curve.png)"
+        for m in models
+        if (run_dir / "models" / m / "training_curve.png").is_file()
+    ]
+    lines = ["## Networks", "", markdown_table(header, rows), ""]
+    return lines + ([f"Training curves: {', '.join(curves)}.", ""] if curves else [])
+
+
+def attacks_section(results: Mapping[str, Any], models: Sequence[str]) -> list[str]:
+    attacks = results.get("attacks", {})
+    keys = order_sets(k for m in models for k in attacks.get(m, {}))
+    if not keys:
+        return ["## Attacks", "", "No attacks in results.json.", ""]
+    header = ["Attack"]
+    for model in models:
+        label = MODEL_LABELS.get(model, model.upper())
+        header += [f"{label} n", f"{label} success (%)", f"{label} s/image"]
+    rows = []
+    for key in keys:
+        row = [set_label(key)]
+        for model in models:
+            info = attacks.get(model, {}).get(key)
+            if info is None:
+                row += [NOT_RUN, "", ""]
+                continue
+            n = int(info.get("n", 0))
+            seconds = info.get("seconds")
+            row += [
+                str(n),
+                _percent(info["success_rate"]) if info.get("success_rate") is not None else "n/a",
+                f"{seconds / n:.3g}" if seconds is not None and n else "n/a",
+            ]
+        rows.append(row)
+    note = "Success rate: share of attacked images whose prediction the attack changed (as the attack step reports it)."
+    return ["## Attacks", "", markdown_table(header, rows), "", note, ""]
+
+
+def _runs_note(records: Sequence[Record]) -> str:
+    runs = sorted({int(r["runs"]) for r in records if r.get("runs") is not None})
+    return f"mean ± std over {'/'.join(map(str, runs))} runs" if runs else "single run"
+
+
+SEEN_METRICS = (
+    ("accuracy", True, "Detection accuracy (%) on a balanced test set"),
+    ("auroc", True, "AUROC (%)"),
+    ("successful_attack_detection_rate", True, "Detection rate of successful attacks (%)"),
+    ("fpr", False, "False positive rate on clean test images (%)"),
+    ("fpr_at_95_tpr", False, "FPR at 95% TPR (%)"),
+)
+
+
+def seen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> list[str]:
+    lines = ["## Seen attacks (seed table 12)", ""]
+    if not records:
+        return lines + [f"Seen-attack protocol: {NOT_RUN}.", ""]
+    columns = order_sets(r["test_attack"] for r in records)
+    lines += [
+        f"Train and test on the same attack; {_runs_note(records)}; best per column in bold.",
+        "",
+    ]
+    for metric, higher, title in SEEN_METRICS:
+        if any(r.get(metric) is not None for r in records):
+            table = metric_table(
+                records,
+                rows=rows,
+                columns=columns,
+                column_of=lambda r: r["test_attack"],
+                metric=metric,
+                higher_is_better=higher,
+            )
+            lines += [f"### {title}", "", table, ""]
+    return lines
+
+
+def unseen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> list[str]:
+    lines = ["## Unseen attacks (seed table 13)", ""]
+    if not records:
+        return lines + [f"Unseen-attack protocol: {NOT_RUN}.", ""]
+    lines += [
+        f"Train on one attack, test on the others; {_runs_note(records)}; "
+        "the last column averages over the test attacks (k/n when some are missing).",
+        "",
+    ]
+    for train in order_sets(r["train_attack"] for r in records):
+        subset = [r for r in records if r["train_attack"] == train]
+        columns = order_sets(r["test_attack"] for r in subset)
+        for metric, higher, title in SEEN_METRICS[:4]:
+            if any(r.get(metric) is not None for r in subset):
+                table = metric_table(
+                    subset,
+                    rows=rows,
+                    columns=columns,
+                    column_of=lambda r: r["test_attack"],
+                    metric=metric,
+                    higher_is_better=higher,
+                    mean_column=True,
+                )
+                lines += [f"### Trained on {set_label(train)}: {title}", "", table, ""]
+    return lines
+
+
+def ood_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> list[str]:
+    lines = ["## Out-of-distribution (seed tables 14–15)", ""]
+    if not records:
+        return lines + [f"OOD protocol: {NOT_RUN}.", ""]
+    pairs = sorted(
+        {(r["train_set"], r["test_set"]) for r in records},
+        key=lambda p: (_set_rank(p[0]), _set_rank(p[1])),
+    )
+    columns = [f"{tr}__{te}" for tr, te in pairs]
+    labels = [
+        f"{set_label(tr)} → {set_label(te)}{' (seen)' if tr == te else ''}" for tr, te in pairs
+    ]
+    lines += [
+        f"Train against one abnormal set (left of →), test on another (right); {_runs_note(records)}.",
+        "",
+    ]
+    for metric, higher, title in (SEEN_METRICS[0], SEEN_METRICS[1], SEEN_METRICS[4]):
+        if any(r.get(metric) is not None for r in records):
+            table = metric_table(
+                records,
+                rows=rows,
+                columns=columns,
+                labels=labels,
+                metric=metric,
+                higher_is_better=higher,
+                column_of=lambda r: f"{r['train_set']}__{r['test_set']}",
+            )
+            lines += [f"### {title}", "", table, ""]
+    return lines
+
+
+def summary_section(
+    detection: Sequence[Record], ood: Sequence[Record], rows: Sequence[tuple[str, str]]
+) -> list[str]:
+    """Mean detection accuracy per protocol, per network and detector."""
+    groups = {
+        "seen": [r for r in detection if r.get("setting") == "seen"],
+        "unseen": [r for r in detection if r.get("setting") == "unseen"],
+        "OOD (unseen sets)": [r for r in ood if r["train_set"] != r["test_set"]],
+    }
+    summary = []
+    for name, records in groups.items():
+        for model, detector in rows:
+            values = [
+                float(r["accuracy"])
+                for r in records
+                if r["model"] == model
+                and r["detector"] == detector
+                and r.get("accuracy") is not None
+            ]
+            if values:
+                summary.append(
+                    {
+                        "model": model,
+                        "detector": detector,
+                        "protocol": name,
+                        "accuracy": float(np.mean(values)),
+                        "count": len(values),
+                    }
+                )
+    if not summary:
+        return []
+    columns = [g for g in groups if any(s["protocol"] == g for s in summary)]
+    table = metric_table(
+        summary,
+        rows=rows,
+        columns=columns,
+        labels=columns,
+        column_of=lambda r: r["protocol"],
+        metric="accuracy",
+    )
+    return ["## Summary: mean detection accuracy (%)", "", table, ""]
+
+
+def _flatten(prefix: str, value: Any) -> Iterable[tuple[str, Any]]:
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            yield from _flatten(f"{prefix} / {key}" if prefix else str(key), inner)
+    else:
+        yield prefix, value
+
+
+def _timing_value(key: str, value: Any) -> str:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return str(value)
+    return f"{value:.4g} s" if "second" in key else f"{value:.4g}"
+
+
+def timing_section(results: Mapping[str, Any]) -> list[str]:
+    timing = results.get("timing", {})
+    rows = [[key, _timing_value(key, v)] for key, v in _flatten("", timing)]
+    lines = ["## Timing", ""]
+    if not rows:
+        return lines + ["No timing in results.json.", ""]
+    lines += [markdown_table(["Measure", "Value"], rows), ""]
+    extraction = timing.get("feature_extraction_seconds", {})
+    if (
+        isinstance(extraction, Mapping)
+        and extraction.get("transport")
+        and extraction.get("mahalanobis")
+    ):
+        ratio = extraction["mahalanobis"] / extraction["transport"]
+        lines += [
+            f"Transport features are extracted {ratio:.1f}x faster than Mahalanobis features.",
+            "",
+        ]
+    return lines
+
+
+def notes_section(
+    run_dir: Path, config: Mapping[str, Any], models: Sequence[str], scores: Mapping[Any, Any]
+) -> list[str]:
+    notes = [
+        f"- **{set_label(str(item.get('attack', '?')))}**: {NOT_RUN}: {item.get('reason', 'no reason given')}"
+        for item in config.get("not_run", [])
+        if isinstance(item, Mapping)
+    ]
+    scored = {model for model, _, _ in scores}
+    notes += [
+        f"- {MODEL_LABELS.get(m, m.upper())}: no detector scores in scores/{m}/ (no ROC curves)."
+        for m in models
+        if m not in scored
+    ]
+    notes += [
+        f"- {MODEL_LABELS.get(m, m.upper())}: no features in features/{m}/ (no histograms or trajectories)."
+        for m in models
+        if not (run_dir / "features" / m).is_dir()
+    ]
+    notes.append(
+        f'- A cell "{NOT_RUN}" means the run has no result for that network, detector and attack.'
+    )
+    notes.append("- ROC curves use the scores of the first seed; tables average over all runs.")
+    return ["## Notes", "", *notes, ""]
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+
+def _figure_link(run_dir: Path, path: Path, caption: str) -> list[str]:
+    return [f"![{caption}]({path.relative_to(run_dir).as_posix()})", "", f"*{caption}*", ""]
+
+
+def roc_figures(
+    run_dir: Path, scores: Mapping[tuple[str, str, str], Mapping[tuple[str, str], Any]]
+) -> list[str]:
+    """One figure per (detector, setting), one panel per network."""
+    lines = ["### ROC curves", ""]
+    for setting in ("seen", "unseen", "ood"):
+        for detector in order_detectors(d for _, d, s in scores if s == setting):
+            panels = {}
+            for model in order_models(m for m, d, s in scores if d == detector and s == setting):
+                pairs = scores[(model, detector, setting)]
+                panels[MODEL_LABELS.get(model, model.upper())] = {
+                    _pair_label(train, test, setting): pairs[(train, test)]
+                    for train, test in sorted(
+                        pairs, key=lambda p: (_set_rank(p[0]), _set_rank(p[1]))
+                    )
+                }
+            title = f"{DETECTOR_LABELS.get(detector, detector)} ({detector}), {setting}"
+            path = plot_roc_curves(
+                panels, run_dir / "figures" / f"roc_{detector}_{setting}.png", title=title
+            )
+            lines += _figure_link(
+                run_dir, path, f"ROC curves: {detector} detector, {setting} setting (first seed)"
+            )
+    return lines if len(lines) > 2 else []
+
+
+def _pair_label(train: str, test: str, setting: str) -> str:
+    return set_label(test) if setting == "seen" else f"{set_label(train)} → {set_label(test)}"
+
+
+def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
+    """Transport-cost histograms and per-block trajectories, attacks and OOD sets in separate figures."""
+    features = {MODEL_LABELS.get(m, m.upper()): load_features(run_dir, m) for m in models}
+    features = {m: sets for m, sets in features.items() if CLEAN in sets}
+    lines: list[str] = ["### Transport cost and per-block features", ""]
+    for kind, keep in (
+        ("attacks", lambda k: not k.startswith(OOD_PREFIX)),
+        ("ood", lambda k: k.startswith(OOD_PREFIX)),
+    ):
+        chosen = {
+            m: {set_label(k): v for k, v in sets.items() if k == CLEAN or keep(k)}
+            for m, sets in features.items()
+        }
+        if not any(len(sets) > 1 for sets in chosen.values()):
+            continue
+        costs = {
+            m: {k: msq.sum(axis=1) for k, (msq, _) in sets.items()} for m, sets in chosen.items()
+        }
+        hist = plot_transport_histograms(
+            costs,
+            run_dir / "figures" / f"transport_hist_{kind}.png",
+            clean=set_label(CLEAN),
+            title=f"Transport cost, clean vs {kind} (dashed: clean 0.02 / 0.98 quantiles)",
+        )
+        lines += _figure_link(
+            run_dir, hist, f"Transport cost C per sample, clean vs {kind} (seed fig. 21)"
+        )
+        traj = plot_feature_trajectories(
+            chosen,
+            run_dir / "figures" / f"trajectories_{kind}.png",
+            clean=set_label(CLEAN),
+            title=f"Per-block features, clean vs {kind} (mean ± std)",
+        )
+        lines += _figure_link(run_dir, traj, f"Per-block transport features, clean vs {kind}")
+    return lines if len(lines) > 2 else []
+
+
+# ---- entry point ------------------------------------------------------------------------------
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write RUN/report.md and RUN/figures/*.png from the run's results, features and scores; return report.md."""
+    run_dir = Path(run_dir)
+    results_path = run_dir / "results.json"
+    if not results_path.is_file():
+        raise ArtefactError(
+            f"{results_path} not found: run `lapguard evaluate --run {run_dir}` first"
+        )
+    results, config = _read_json(results_path), _read_json(run_dir / "pipeline_config.json")
+    detection, ood = list(results.get("detection", [])), list(results.get("ood", []))
+    for record in detection:
+        record.setdefault(
+            "setting",
+            "seen" if record.get("train_attack") == record.get("test_attack") else "unseen",
+        )
+    models = order_models([*results.get("models", {}), *(r["model"] for r in detection + ood)])
+    detectors = order_detectors(r["detector"] for r in detection + ood)
+    rows = [(m, d) for d in detectors for m in models]
+    scores = load_scores(run_dir)
+    figures = roc_figures(run_dir, scores) + feature_figures(run_dir, models)
+    lines = [
+        *header_section(config, results),
+        *models_section(run_dir, results, models),
+        *attacks_section(results, models),
+        *summary_section(detection, ood, rows),
+        *seen_section([r for r in detection if r["setting"] == "seen"], rows),
+        *unseen_section([r for r in detection if r["setting"] == "unseen"], rows),
+        *ood_section(ood, rows),
+        *timing_section(results),
+        *(["## Figures", "", *figures] if figures else []),
+        *notes_section(run_dir, config, models, scores),
+    ]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path
