@@ -1,0 +1,76 @@
+"""Detection protocols: leak-free splits, seen/unseen/OOD rows, mean ± std over seeds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from training.experiments import Samples, Split, run_protocols
+from training.runners import TransportRunner
+
+
+def _samples(name: str, indices: np.ndarray, shift: float, rng: np.random.Generator, success: bool = True) -> Samples:
+    n = len(indices)
+    features = rng.normal(shift, 1.0, size=(n, 6)).astype(np.float32)
+    return Samples(
+        name, np.zeros((n, 1, 2, 2), np.float32), features, rng.integers(0, 3, n), indices.astype(np.int64),
+        np.full(n, success) if name not in ("clean",) and shift else None,
+    )
+
+
+class RecordingTransportRunner(TransportRunner):
+    """The real transport runner, recording which source images each fit saw."""
+
+    fitted_on: list[tuple[int, set[int]]] = []
+
+    def fit(self, clean: Samples, abnormal: Samples, seed: int) -> None:
+        seen = set(clean.indices.tolist()) | (set() if abnormal.name == "ood" else set(abnormal.indices.tolist()))
+        RecordingTransportRunner.fitted_on.append((seed, seen))
+        super().fit(clean, abnormal, seed)
+
+
+@pytest.fixture
+def world() -> tuple[Samples, dict[str, Samples], dict[str, Samples]]:
+    rng = np.random.default_rng(0)
+    universe = np.arange(400)
+    clean = _samples("clean", universe, 0.0, rng)
+    attacks = {
+        "fgm": _samples("fgm", universe, 3.0, rng),
+        "cw": _samples("cw", universe[:120], 1.5, rng),  # a smaller subset, like the slow attacks
+    }
+    ood = {"digits": _samples("ood", np.arange(80), 4.0, rng), "noise": _samples("ood", np.arange(80), -4.0, rng)}
+    return clean, attacks, ood
+
+
+def test_split_sides_are_disjoint_and_sized() -> None:
+    split = Split(seed=3, test_fraction=0.1, universe=1000)
+    assert split.is_test.sum() == 100
+    assert not (split.is_test & split.is_calibration).any()
+    assert split.is_calibration.sum() == 90
+    assert not np.array_equal(split.is_test, Split(seed=4, test_fraction=0.1, universe=1000).is_test)
+
+
+def test_protocols_are_leak_free_and_report_mean_and_std(world) -> None:
+    clean, attacks, ood = world
+    RecordingTransportRunner.fitted_on = []
+    records = run_protocols(
+        model="lap", clean=clean, attacks=attacks, ood_sets=ood, runners=[lambda: RecordingTransportRunner(n_estimators=20)],
+        seen=["fgm", "cw"], unseen_train="fgm", ood_train=["fgm", "digits"], seeds=[0, 1, 2], progress=False,
+    )
+    rows = {(r.setting, r.train, r.test): r.row() for r in records}
+    assert set(rows) == {
+        ("seen", "fgm", "fgm"), ("seen", "cw", "cw"), ("unseen", "fgm", "cw"),
+        ("ood", "fgm", "digits"), ("ood", "fgm", "noise"), ("ood", "digits", "noise"),
+    }
+    for row in rows.values():
+        assert row["runs"] == 3 and 0 <= row["accuracy_std"] <= 0.5
+        assert {"accuracy", "auroc", "tpr", "fpr", "fpr_at_95_tpr"} <= set(row)
+    # Clear separations are detected; the seen FGM experiment is near perfect.
+    assert rows[("seen", "fgm", "fgm")]["accuracy"] > 0.95
+    assert rows[("seen", "fgm", "fgm")]["successful_attack_detection_rate"] > 0.95
+    assert rows[("ood", "digits", "noise")]["train_set"] == "digits"
+    # No source image used in a fit is ever scored as a test sample within the same seed.
+    assert len(RecordingTransportRunner.fitted_on) == 3 * 5  # seen x2, unseen, OOD x2 per seed
+    for seed, fitted in RecordingTransportRunner.fitted_on:
+        test_side = set(np.flatnonzero(Split(seed, 0.1, 400).is_test).tolist())
+        assert fitted and not fitted & test_side

@@ -1,0 +1,119 @@
+"""Named pipeline presets (``lapguard pipeline --preset NAME``): networks, attacks, detectors, protocols."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from detector.errors import ConfigError
+
+DetectorName = Literal["transport", "mahalanobis", "nss", "quantile"]
+
+
+class AttackRun(BaseModel):
+    """One adversarial set per network: attack ``attack`` with ``params`` on the first ``n`` test images."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str
+    attack: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    n: int = Field(ge=2)
+
+
+class PipelineConfig(BaseModel):
+    """train -> attack -> features -> detection protocols -> deployable detector -> report -> bundle."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    dataset: str = "fashion-mnist"
+    models: dict[str, str]  # network name in the run -> training preset
+    attacks: list[AttackRun]
+    detectors: list[DetectorName] = ["transport", "mahalanobis"]
+    seen: list[str] | None = None  # attack keys for the seen setting (default: every attack)
+    unseen_train: str | None = None  # attack key trained on in the unseen setting
+    ood_train: list[str] = Field(default_factory=list)  # attack keys or OOD set names
+    ood_test: list[str] = Field(default_factory=lambda: ["digits", "noise"])
+    ood_n: int = Field(1000, ge=10)
+    seeds: int = Field(5, ge=1)
+    test_fraction: float = Field(0.1, gt=0, lt=1)
+    noisy_copies: bool = False  # add uniformly noised clean copies (labelled clean) to detector training
+    mahalanobis_clean_n: int = Field(5000, ge=100)  # training images for class means and covariance
+    target_fpr: float = Field(0.05, gt=0, lt=1)
+    deploy_model: str = "lap"
+    deploy_attacks: list[str] | None = None  # attack keys the deployed detector is trained on (default: all)
+    not_run: list[dict[str, str]] = Field(default_factory=list)  # attacks left out, with the reason (for the report)
+    device: str = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> PipelineConfig:
+        keys = [a.key for a in self.attacks]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"attack keys must be unique, got {keys}")
+        for name in [*(self.seen or []), *([self.unseen_train] if self.unseen_train else []), *(self.deploy_attacks or [])]:
+            if name not in keys:
+                raise ValueError(f"{name!r} is not one of the attack keys {keys}")
+        for name in self.ood_train:
+            if name not in keys and name not in self.ood_test and name not in ("digits", "noise"):
+                raise ValueError(f"OOD training set {name!r} is neither an attack key nor an OOD set")
+        if self.deploy_model not in self.models:
+            raise ValueError(f"deploy_model {self.deploy_model!r} is not one of the networks {list(self.models)}")
+        return self
+
+    @property
+    def seen_keys(self) -> list[str]:
+        return self.seen if self.seen is not None else [a.key for a in self.attacks]
+
+
+_CPU_NOT_RUN = [
+    {"attack": "hsj", "reason": "HopSkipJump takes ~24 s/image on 2 CPU cores; use a GPU preset"},
+    {"attack": "boundary", "reason": "BoundaryAttack (5000 iterations) takes ~200 s/image on 2 CPU cores; use a GPU preset"},
+    {"attack": "autoattack", "reason": "AutoAttack standard is ~100x FGM's cost on CPU; use a GPU preset"},
+]
+
+PIPELINE_PRESETS: dict[str, PipelineConfig] = {
+    "smoke": PipelineConfig(
+        name="smoke",
+        models={"vanilla": "smoke-vanilla", "lap": "smoke-lap"},
+        attacks=[AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=600)],
+        detectors=["transport", "quantile"],
+        ood_train=["fgm-eps0.1"],
+        ood_n=200,
+        seeds=2,
+        test_fraction=0.2,
+        mahalanobis_clean_n=500,
+        not_run=[{"attack": a, "reason": "the smoke preset runs FGM only"} for a in ("apgd", "bim", "cw", "deepfool", "hsj", "boundary", "autoattack")],
+    ),
+    "quick": PipelineConfig(
+        name="quick",
+        models={"vanilla": "quick-vanilla", "lap": "quick-lap"},
+        attacks=[
+            AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=10000),
+            AttackRun(key="fgm-eps0.03", attack="fgm", params={"eps": 0.03}, n=10000),
+            AttackRun(key="bim", attack="bim", params={"eps": 0.1}, n=2000),
+            AttackRun(key="apgd", attack="apgd", params={"eps": 0.1}, n=1000),
+            AttackRun(key="cw", attack="cw", n=150),
+            AttackRun(key="deepfool", attack="deepfool", n=150),
+        ],
+        detectors=["transport", "mahalanobis", "quantile"],
+        seen=["fgm-eps0.1", "fgm-eps0.03", "bim", "apgd", "cw", "deepfool"],
+        unseen_train="fgm-eps0.1",
+        ood_train=["fgm-eps0.1", "cw"],
+        ood_n=1000,
+        seeds=5,
+        deploy_attacks=["fgm-eps0.1", "bim", "apgd", "cw", "deepfool"],
+        not_run=_CPU_NOT_RUN,
+    ),
+}
+
+
+def list_pipeline_presets() -> list[str]:
+    return sorted(PIPELINE_PRESETS)
+
+
+def get_pipeline_preset(name: str) -> PipelineConfig:
+    if name not in PIPELINE_PRESETS:
+        raise ConfigError(f"unknown pipeline preset {name!r}; known: {', '.join(list_pipeline_presets())}")
+    return PIPELINE_PRESETS[name].model_copy(deep=True)
