@@ -1,0 +1,282 @@
+"""The deployable bundle (DESIGN.md §6): manifest.json + model.safetensors + detector.safetensors.
+
+The manifest (pydantic, no unknown keys) says what the network is, how inputs look, which
+detector with which parameters, the calibrated threshold, headline metrics and the sha256 of
+every file. Loading verifies every checksum before reading a byte of the files, and refuses a
+bundle that does not match with a message naming the problem. Nothing is ever unpickled: the
+weights and the detector's arrays are safetensors, everything else JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from safetensors import SafetensorError
+from safetensors.numpy import load_file as load_numpy
+from safetensors.numpy import save_file as save_numpy
+from safetensors.torch import load_file as load_torch
+
+from detector.calibration import Calibration
+from detector.errors import ArtefactError
+from detector.features import feature_names
+from detector.forest import TransportDetector
+from detector.networks import (
+    WEIGHTS_FILE,
+    InputSpec,
+    NetworkConfig,
+    ObservableResNet,
+    build_network,
+    read_config,
+    resolve_device,
+)
+from detector.quantile import QuantileDetector
+from detector.taps import default_tap_names
+
+BUNDLE_FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+DETECTOR_FILE = "detector.safetensors"
+REQUIRED_FILES = (WEIGHTS_FILE, DETECTOR_FILE)
+
+Detector = TransportDetector | QuantileDetector
+_DETECTOR_KINDS: dict[str, type[TransportDetector] | type[QuantileDetector]] = {
+    "transport": TransportDetector,
+    "quantile": QuantileDetector,
+}
+
+
+class DetectorSpec(BaseModel):
+    """Which detector, its parameters, and how its features are computed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["transport", "quantile"]
+    params: dict[str, Any]
+    feature_names: list[str]
+    taps: list[str] | None = None
+    extra_directions: int = Field(default=0, ge=0)
+    line_shape: bool = False
+
+
+class BundleManifest(BaseModel):
+    """manifest.json of a bundle."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int
+    name: str
+    version: str
+    created: str
+    dataset: str
+    class_names: list[str]
+    input_spec: InputSpec
+    network: NetworkConfig
+    detector: DetectorSpec
+    threshold: float
+    target_fpr: float
+    default_vote_threshold: float = 0.5
+    metrics: dict[str, float] = Field(default_factory=dict)
+    files: dict[str, str]
+
+    @field_validator("format_version")
+    @classmethod
+    def _known_version(cls, value: int) -> int:
+        if value != BUNDLE_FORMAT_VERSION:
+            raise ValueError(
+                f"unknown bundle format version {value} (this lapguard reads {BUNDLE_FORMAT_VERSION})"
+            )
+        return value
+
+    @field_validator("files")
+    @classmethod
+    def _plain_names(cls, files: dict[str, str]) -> dict[str, str]:
+        for name, digest in files.items():
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise ValueError(f"bundle file names must be plain file names, got {name!r}")
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(f"sha256 of {name} must be 64 lowercase hex digits")
+        return files
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BundleManifest:
+        if self.class_names != self.network.class_names:
+            raise ValueError("class_names differ from the network's class names")
+        if self.input_spec.shape != self.network.input_spec.shape:
+            raise ValueError(
+                f"input_spec shape {self.input_spec.shape} differs from the network's {self.network.input_spec.shape}"
+            )
+        return self
+
+
+@dataclass
+class Bundle:
+    """A verified, loaded bundle."""
+
+    path: Path
+    manifest: BundleManifest
+    model: ObservableResNet
+    detector: Detector
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def detector_kind(detector: Detector) -> str:
+    for kind, cls in _DETECTOR_KINDS.items():
+        if isinstance(detector, cls):
+            return kind
+    raise ArtefactError(
+        f"cannot bundle a {type(detector).__name__}: bundles hold transport or quantile detectors"
+    )
+
+
+def write_bundle(
+    out_dir: str | Path,
+    *,
+    network_dir: str | Path,
+    detector: Detector,
+    calibration: Calibration,
+    name: str,
+    version: str = "1",
+    dataset: str,
+    metrics: dict[str, float] | None = None,
+    taps: list[str] | None = None,
+    extra_directions: int = 0,
+    line_shape: bool = False,
+    input_spec: InputSpec | None = None,
+) -> Path:
+    """Write a bundle directory from a saved network (``network_dir``) and a fitted detector.
+
+    ``extra_directions``/``line_shape`` must be those the detector's features were extracted
+    with; ``input_spec`` overrides the network's (e.g. ``resize="strict"``). Returns ``out_dir``.
+    """
+    network_dir = Path(network_dir)
+    config = read_config(network_dir)
+    weights = network_dir / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ArtefactError(f"no weights at {weights}")
+    tap_list = list(taps) if taps is not None else default_tap_names(build_network(config))
+    names = feature_names(len(tap_list), extra_directions=extra_directions, line_shape=line_shape)
+    arrays, params = detector.to_arrays()
+    if params.get("n_features_in") != len(names):
+        raise ArtefactError(
+            f"the detector was fitted on {params.get('n_features_in')} features but this network "
+            f"gives {len(names)} ({len(tap_list)} blocks, extra_directions={extra_directions}, line_shape={line_shape})"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(weights, out / WEIGHTS_FILE)
+    save_numpy({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(out / DETECTOR_FILE))
+    manifest = BundleManifest(
+        format_version=BUNDLE_FORMAT_VERSION,
+        name=name,
+        version=str(version),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        dataset=dataset,
+        class_names=list(config.class_names),
+        input_spec=input_spec or config.input_spec,
+        network=config,
+        detector=DetectorSpec(
+            kind=detector_kind(detector),  # type: ignore[arg-type]
+            params=params,
+            feature_names=names,
+            taps=list(taps) if taps is not None else None,
+            extra_directions=extra_directions,
+            line_shape=line_shape,
+        ),
+        threshold=float(calibration.threshold),
+        target_fpr=float(calibration.target_fpr),
+        default_vote_threshold=float(calibration.default_vote_threshold),
+        metrics={k: float(v) for k, v in (metrics or {}).items()},
+        files={f: sha256_file(out / f) for f in REQUIRED_FILES},
+    )
+    tmp = out / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(manifest.model_dump_json(indent=2))
+    tmp.replace(out / MANIFEST_FILE)
+    return out
+
+
+def read_manifest(path: str | Path) -> BundleManifest:
+    """Read and validate a bundle's manifest and verify every file's checksum."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ArtefactError(f"bundle directory {root} does not exist")
+    manifest_path = root / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise ArtefactError(f"bundle {root} has no {MANIFEST_FILE}")
+    try:
+        data = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArtefactError(f"{manifest_path} is not valid JSON: {error}") from error
+    try:
+        manifest = BundleManifest.model_validate(data)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'manifest'}: {e['msg']}" for e in error.errors()
+        )
+        raise ArtefactError(f"invalid bundle manifest {manifest_path}: {problems}") from error
+    unlisted = [f for f in REQUIRED_FILES if f not in manifest.files]
+    if unlisted:
+        raise ArtefactError(
+            f"bundle manifest {manifest_path} does not list required file(s) {', '.join(unlisted)}"
+        )
+    for name, expected in manifest.files.items():
+        file = root / name
+        if not file.is_file():
+            raise ArtefactError(f"bundle file {name} listed in the manifest is missing from {root}")
+        actual = sha256_file(file)
+        if actual != expected:
+            raise ArtefactError(
+                f"checksum mismatch for bundle file {name}: the file was changed or corrupted "
+                f"(manifest sha256 {expected[:12]}..., file {actual[:12]}...); rebuild the bundle"
+            )
+    return manifest
+
+
+def load_bundle(path: str | Path, *, device: str | torch.device = "cpu") -> Bundle:
+    """Verify and load a bundle: network (eval mode, on ``device``) and detector."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    model = build_network(manifest.network)
+    try:
+        state = load_torch(str(root / WEIGHTS_FILE))
+        model.load_state_dict(state, strict=True)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise ArtefactError(
+            f"bundle file {WEIGHTS_FILE} does not hold this network's weights: {error}"
+        ) from error
+    try:
+        arrays = load_numpy(str(root / DETECTOR_FILE))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ArtefactError(f"cannot read bundle file {DETECTOR_FILE}: {error}") from error
+    spec = manifest.detector
+    detector = _DETECTOR_KINDS[spec.kind].from_arrays(arrays, spec.params)
+    n_features = spec.params.get("n_features_in")
+    n_blocks = len(spec.taps) if spec.taps is not None else len(default_tap_names(model))
+    expected = feature_names(
+        n_blocks, extra_directions=spec.extra_directions, line_shape=spec.line_shape
+    )
+    if n_features != len(expected) or spec.feature_names != expected:
+        raise ArtefactError(
+            f"bundle detector takes {n_features} features named {spec.feature_names[:4]}..., "
+            f"but the network gives {len(expected)}: the detector belongs to another network"
+        )
+    return Bundle(
+        path=root,
+        manifest=manifest,
+        model=model.to(resolve_device(device)).eval(),
+        detector=detector,
+    )

@@ -1,0 +1,86 @@
+"""Decision thresholds calibrated on clean validation scores at a target false-positive rate.
+
+Scoring is separate from thresholding (alibi-detect's ``score`` vs ``infer_threshold``): an input
+is flagged when its score is STRICTLY greater than the threshold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from detector.errors import ConfigError, InputError
+
+
+def calibrate_threshold(clean_scores: np.ndarray, target_fpr: float = 0.05) -> float:
+    """The smallest threshold t whose empirical FPR, mean(clean_scores > t), is <= target_fpr.
+
+    ``t`` is always one of the clean scores (the FPR only changes there); with target 0 it is
+    their maximum.
+    """
+    scores = _check_scores(clean_scores)
+    if not 0.0 <= target_fpr < 1.0:
+        raise ConfigError(f"target_fpr must be in [0, 1), got {target_fpr}")
+    values = np.unique(scores)  # sorted ascending
+    # FPR at each candidate: share of clean scores strictly above it.
+    above = len(scores) - np.searchsorted(np.sort(scores), values, side="right")
+    fpr = above / len(scores)
+    index = int(np.argmax(fpr <= target_fpr))  # fpr is non-increasing; the last value has fpr 0
+    return float(values[index])
+
+
+def empirical_fpr(clean_scores: np.ndarray, threshold: float) -> float:
+    """Share of clean scores flagged (score > threshold)."""
+    scores = _check_scores(clean_scores)
+    return float(np.mean(scores > threshold))
+
+
+def _check_scores(scores: np.ndarray) -> np.ndarray:
+    array = np.asarray(scores, dtype=np.float64)
+    if array.ndim != 1 or array.size == 0:
+        raise InputError(f"clean scores must be a non-empty 1-D array, got shape {array.shape}")
+    if not np.isfinite(array).all():
+        raise InputError("clean scores contain NaN or infinite values")
+    return array
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A calibrated decision: flag when score > ``threshold``.
+
+    ``achieved_fpr`` is the FPR on the ``n`` clean validation scores it was chosen on;
+    ``default_vote_threshold`` is the forests' own majority vote (score > 0.5), kept beside it.
+    """
+
+    threshold: float
+    target_fpr: float
+    achieved_fpr: float
+    n: int
+    default_vote_threshold: float = 0.5
+
+    @classmethod
+    def from_scores(
+        cls,
+        clean_scores: np.ndarray,
+        target_fpr: float = 0.05,
+        *,
+        default_vote_threshold: float = 0.5,
+    ) -> Calibration:
+        """Calibrate on clean validation scores (see :func:`calibrate_threshold`)."""
+        threshold = calibrate_threshold(clean_scores, target_fpr)
+        return cls(
+            threshold=threshold,
+            target_fpr=float(target_fpr),
+            achieved_fpr=empirical_fpr(clean_scores, threshold),
+            n=int(np.asarray(clean_scores).size),
+            default_vote_threshold=float(default_vote_threshold),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        return cls(**data)

@@ -1,0 +1,279 @@
+"""Transport features: for every residual block m, ( ||r_m||^2 / d_m , cos(r_m, 1) ) (seed 003, eq. 34).
+
+They come from the SAME forward pass as the logits: a forward hook on each residual tap reduces
+r_m to per-sample sums as soon as it is computed (two streaming reductions over the tensor, no
+copy, no flatten of a non-contiguous tensor), so the residual itself is never kept:
+
+    msq_m = sum(r^2) / d        cos_m = sum(r) / (||r|| * sqrt(d))     (0 when r = 0)
+
+Optional extras: cosines to further fixed +-1 directions (seeded, balanced Rademacher signs,
+orthogonal to 1 and nearly orthogonal to each other) and the line-shape score of the trajectory
+(seed 001, eq. 43-44).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from detector.errors import InputError
+from detector.networks import resolve_device
+from detector.taps import ResidualTaps
+
+DIRECTION_SEED = 20240601
+LINE_SHAPE = "line_shape"
+
+
+def feature_names(
+    n_blocks: int, *, extra_directions: int = 0, line_shape: bool = False
+) -> list[str]:
+    """Column names, block-major: msq_0, cos_0, msq_1, cos_1, ..., then cos_{m}_dir{j}, then line_shape."""
+    names = [f"{kind}_{m}" for m in range(n_blocks) for kind in ("msq", "cos")]
+    names += [f"cos_{m}_dir{j}" for m in range(n_blocks) for j in range(1, extra_directions + 1)]
+    if line_shape:
+        names.append(LINE_SHAPE)
+    return names
+
+
+def sign_directions(dim: int, count: int, *, seed: int = DIRECTION_SEED) -> torch.Tensor:
+    """``count`` fixed +-1 vectors of length ``dim`` as a float32 [dim, count] CPU tensor.
+
+    Each has as many +1 as -1 entries (so it is orthogonal to the ones vector when ``dim`` is
+    even); they are seeded by (seed, dim), so every process draws the same directions.
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + dim)
+    signs = torch.ones(count, dim)
+    signs[:, dim // 2 :] = -1.0
+    for j in range(count):
+        signs[j] = signs[j, torch.randperm(dim, generator=generator)]
+    return signs.T.contiguous()
+
+
+class TransportFeatureExtractor:
+    """Context manager computing transport features during an ordinary forward pass.
+
+    ::
+
+        with TransportFeatureExtractor(model) as fx:
+            logits = model(x)
+            feats = fx.features()     # float32 [N, F] on the model's device
+
+    Hooks exist only inside the ``with`` block; ``features()`` describes the last forward pass
+    (also after the block). One extractor serves one forward pass at a time.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        taps: Sequence[str] | None = None,
+        extra_directions: int = 0,
+        line_shape: bool = False,
+    ) -> None:
+        if extra_directions < 0:
+            raise InputError(f"extra_directions must be >= 0, got {extra_directions}")
+        self.model = model
+        self.extra_directions = int(extra_directions)
+        self.line_shape = bool(line_shape)
+        self._taps = ResidualTaps(model, taps, transform=self._reduce)
+        self._directions: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+        # Line shape: running sum of unit residuals per residual shape (one group per stage).
+        self._unit_sums: dict[tuple[int, ...], torch.Tensor] = {}
+        self._steps = 0
+        self._pre_handle: torch.utils.hooks.RemovableHandle | None = None
+
+    @property
+    def tap_names(self) -> list[str]:
+        return list(self._taps.names)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self._taps.names)
+
+    @property
+    def feature_names(self) -> list[str]:
+        return feature_names(
+            self.n_blocks, extra_directions=self.extra_directions, line_shape=self.line_shape
+        )
+
+    def __enter__(self) -> TransportFeatureExtractor:
+        self._taps.clear()  # never serve a previous context's values
+        self._new_pass(self.model, ())
+        self._taps.__enter__()
+        if self.line_shape:
+            self._pre_handle = self.model.register_forward_pre_hook(self._new_pass)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._taps.__exit__(exc_type, exc, tb)
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
+
+    def _new_pass(self, _module: nn.Module, _inputs: Any) -> None:
+        self._unit_sums = {}
+        self._steps = 0
+
+    def _direction_matrix(self, dim: int, like: torch.Tensor) -> torch.Tensor:
+        key = (dim, like.device, like.dtype)
+        if key not in self._directions:
+            self._directions[key] = sign_directions(dim, self.extra_directions).to(
+                like.device, like.dtype
+            )
+        return self._directions[key]
+
+    def _reduce(self, r: torch.Tensor) -> torch.Tensor:
+        """Per-sample [msq, cos, cos_dir1..k] of one residual tensor (runs inside the hook)."""
+        dims = tuple(range(1, r.ndim))
+        d = math.prod(r.shape[1:])
+        total = r.sum(dim=dims, dtype=torch.float32)
+        norm = torch.linalg.vector_norm(r, dim=dims, dtype=torch.float32)
+        denominator = norm * math.sqrt(d)
+        safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+        columns = [
+            norm.square() / d,
+            torch.where(denominator > 0, total / safe, torch.zeros_like(total)),
+        ]
+        if self.extra_directions:
+            projections = r.reshape(r.shape[0], d) @ self._direction_matrix(d, r)
+            cosines = torch.where(
+                denominator[:, None] > 0, projections.float() / safe[:, None], 0.0
+            )
+            columns.extend(cosines.unbind(1))
+        if self.line_shape:
+            self._accumulate_unit(r, norm)
+        return torch.stack(columns, dim=1)
+
+    def _accumulate_unit(self, r: torch.Tensor, norm: torch.Tensor) -> None:
+        shape = (r.shape[0], *r.shape[1:])
+        scale = torch.where(norm > 0, 1.0 / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+        unit = r.float() * scale.view(-1, *([1] * (r.ndim - 1)))
+        if shape in self._unit_sums:
+            self._unit_sums[shape] = self._unit_sums[shape] + unit
+        else:
+            self._unit_sums[shape] = unit
+        self._steps += 1
+
+    def line_shape_score(self) -> torch.Tensor:
+        """LSS = n / ||sum_l r_l/||r_l|| || (seed 001, eq. 43-44), per sample; >= 1, 1 = straight.
+
+        Residuals of different shapes (different stages) live in different spaces; their unit
+        sums are treated as orthogonal components of one trajectory.
+        """
+        if not self._unit_sums:
+            raise RuntimeError("no forward pass has gone through the taps with line_shape=True")
+        squares = [s.flatten(1).square().sum(1) for s in self._unit_sums.values()]
+        length = torch.stack(squares, 1).sum(1).sqrt()
+        return self._steps / length.clamp_min(1e-12)
+
+    def features(self) -> torch.Tensor:
+        """Features of the last forward pass: float32 [N, F], columns as :attr:`feature_names`."""
+        per_block = torch.stack(self._taps.outputs, dim=1)  # [N, M, 2 + k]
+        n = per_block.shape[0]
+        parts = [per_block[:, :, :2].reshape(n, -1)]
+        if self.extra_directions:
+            parts.append(per_block[:, :, 2:].reshape(n, -1))
+        if self.line_shape:
+            parts.append(self.line_shape_score().unsqueeze(1))
+        return torch.cat(parts, dim=1)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of a model's first parameter or buffer (CPU for a model with neither)."""
+    for parameter in model.parameters():
+        return parameter.device
+    for buffer in model.buffers():
+        return buffer.device
+    return torch.device("cpu")
+
+
+def check_images(x: np.ndarray, *, name: str = "x") -> np.ndarray:
+    """A float32 [N, C, H, W] array with finite values, or InputError."""
+    x = np.asarray(x)
+    if x.ndim != 4:
+        raise InputError(f"{name} must be a [N, C, H, W] array, got shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise InputError(
+            f"{name} must hold floats in the network's value range, got dtype {x.dtype}"
+        )
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if not np.isfinite(x).all():
+        raise InputError(f"{name} contains NaN or infinite values")
+    return x
+
+
+def check_features(features: np.ndarray, n_features: int | None = None) -> np.ndarray:
+    """A finite float32 [N, F] feature matrix; with ``n_features``, refuses another width."""
+    features = np.asarray(features)
+    if features.ndim != 2:
+        raise InputError(f"features must be a [N, F] array, got shape {features.shape}")
+    if n_features is not None and features.shape[1] != n_features:
+        raise InputError(
+            f"fitted on {n_features} features, got {features.shape[1]}: "
+            "this detector belongs to another network"
+        )
+    try:
+        features = np.ascontiguousarray(features, dtype=np.float32)
+    except (TypeError, ValueError) as error:
+        raise InputError(f"features must be numeric: {error}") from error
+    if not np.isfinite(features).all():
+        raise InputError("features contain NaN or infinite values")
+    return features
+
+
+def extract_features(
+    model: nn.Module,
+    x: np.ndarray,
+    *,
+    batch_size: int = 256,
+    device: str | torch.device | None = None,
+    taps: Sequence[str] | None = None,
+    extra_directions: int = 0,
+    line_shape: bool = False,
+    progress: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Transport features [N, F] and logits [N, K] (both float32) of images ``x`` [N, C, H, W].
+
+    Runs in eval mode under ``torch.no_grad`` in batches on the model's device (``device``, when
+    given, moves the model there first). The model's train/eval mode is restored afterwards.
+    """
+    x = check_images(x)
+    if batch_size < 1:
+        raise InputError(f"batch_size must be >= 1, got {batch_size}")
+    if device is not None:
+        model.to(resolve_device(device))
+    target = model_device(model)
+    was_training = model.training
+    model.eval()
+    features: list[np.ndarray] = []
+    logits: list[np.ndarray] = []
+    starts = range(0, len(x), batch_size)
+    try:
+        with (
+            torch.no_grad(),
+            TransportFeatureExtractor(
+                model, taps, extra_directions=extra_directions, line_shape=line_shape
+            ) as fx,
+        ):
+            for start in tqdm(starts, desc="features", disable=not progress, leave=False):
+                batch = torch.from_numpy(x[start : start + batch_size]).to(target)
+                out = model(batch)
+                logits.append(out.float().cpu().numpy())
+                features.append(fx.features().cpu().numpy())
+            names = fx.feature_names
+    finally:
+        model.train(was_training)
+    if not features:
+        return np.zeros((0, len(names)), np.float32), np.zeros((0, 0), np.float32)
+    return np.concatenate(features), np.concatenate(logits)

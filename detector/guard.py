@@ -1,0 +1,288 @@
+"""The one scoring path: network + transport features + detector + threshold.
+
+The service, batch scoring and the evaluation all call :meth:`Guard.predict`, so they cannot
+disagree: ONE forward pass gives the logits and, through the residual taps, the features; the
+detector's torch form scores them on the same device; ``flagged = score > threshold``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from detector.bundle import BundleManifest, load_bundle
+from detector.calibration import Calibration
+from detector.errors import ConfigError, InputError
+from detector.features import TransportFeatureExtractor
+from detector.forest import TransportDetector
+from detector.networks import InputSpec, load, resolve_device
+from detector.quantile import QuantileDetector
+
+# ITU-R 601-2 luma, as PIL's "L" conversion.
+LUMA = (0.299, 0.587, 0.114)
+
+
+@dataclass
+class GuardResult:
+    """Predictions and abnormality decisions for a batch; numpy arrays of length N."""
+
+    labels: np.ndarray  # int64
+    class_names: list[str]  # the class name of each label (length N, not the label set)
+    confidences: np.ndarray  # float32, max softmax probability
+    probabilities: np.ndarray  # float32 [N, K]
+    scores: np.ndarray  # float32, higher = more abnormal
+    flagged: np.ndarray  # bool, scores > threshold
+    threshold: float
+
+
+class Guard:
+    """A network and a detector module behind one ``predict``; thread-safe (calls are serialized)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        detector_module: nn.Module,
+        *,
+        input_spec: InputSpec,
+        class_names: Sequence[str],
+        threshold: float,
+        taps: Sequence[str] | None = None,
+        device: str | torch.device = "auto",
+        extra_directions: int = 0,
+        line_shape: bool = False,
+        manifest: BundleManifest | None = None,
+        batch_size: int = 256,
+    ) -> None:
+        self.device = resolve_device(device)
+        self.model = model.to(self.device).eval()
+        self.detector_module = detector_module.to(self.device).eval()
+        self.input_spec = input_spec
+        self.class_names = list(class_names)
+        self.threshold = float(threshold)
+        self.manifest = manifest
+        self.batch_size = int(batch_size)
+        self._extractor = TransportFeatureExtractor(
+            self.model, taps, extra_directions=extra_directions, line_shape=line_shape
+        )
+        self.feature_names = self._extractor.feature_names
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------------------------------
+    # Construction
+    # ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_bundle(cls, path: str | Path, *, device: str | torch.device = "auto") -> Guard:
+        """Load a verified bundle (see :func:`detector.bundle.load_bundle`)."""
+        target = resolve_device(device)
+        bundle = load_bundle(path, device=target)
+        manifest = bundle.manifest
+        return cls(
+            bundle.model,
+            bundle.detector.to_torch(),
+            input_spec=manifest.input_spec,
+            class_names=manifest.class_names,
+            threshold=manifest.threshold,
+            taps=manifest.detector.taps,
+            device=target,
+            extra_directions=manifest.detector.extra_directions,
+            line_shape=manifest.detector.line_shape,
+            manifest=manifest,
+        )
+
+    @classmethod
+    def from_run(
+        cls,
+        network: str | Path | nn.Module,
+        detector: TransportDetector | QuantileDetector,
+        calibration: Calibration | float,
+        *,
+        taps: Sequence[str] | None = None,
+        device: str | torch.device = "auto",
+        extra_directions: int = 0,
+        line_shape: bool = False,
+        input_spec: InputSpec | None = None,
+        class_names: Sequence[str] | None = None,
+    ) -> Guard:
+        """Build from in-memory objects (evaluation): a saved network directory or a model, a
+        fitted detector, and a calibration (or a bare threshold). ``input_spec``/``class_names``
+        default to the network's config (our networks carry one)."""
+        model = load(network) if isinstance(network, (str, Path)) else network
+        config = getattr(model, "config", None)
+        spec = input_spec or (config.input_spec if config is not None else None)
+        names = class_names or (config.class_names if config is not None else None)
+        if spec is None or names is None:
+            raise ConfigError("this network has no config: pass input_spec and class_names")
+        threshold = (
+            calibration.threshold if isinstance(calibration, Calibration) else float(calibration)
+        )
+        return cls(
+            model,
+            detector.to_torch(),
+            input_spec=spec,
+            class_names=names,
+            threshold=threshold,
+            taps=taps,
+            device=device,
+            extra_directions=extra_directions,
+            line_shape=line_shape,
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # Inputs
+    # ---------------------------------------------------------------------------------------
+    def prepare(self, images: Sequence[np.ndarray] | np.ndarray) -> torch.Tensor:
+        """Images (uint8 0..255, or floats in the value range; HW, HWC or CHW) -> float32 CPU
+        tensor [N, C, H, W] in the input spec. Channels are converted (RGB -> gray by luma,
+        gray -> RGB by repetition, alpha dropped) and sizes resized (bilinear, antialiased)
+        unless the spec is strict, which refuses any other shape. A numpy array is a stack of
+        images along its first axis."""
+        if isinstance(images, np.ndarray):
+            if images.ndim not in (3, 4):
+                raise InputError(
+                    f"an array of images must be [N, H, W] or [N, H, W, C] / [N, C, H, W], got shape {images.shape}; "
+                    "wrap a single image in a list"
+                )
+            images = list(images)
+        if len(images) == 0:
+            raise InputError("no images given")
+        return torch.stack(
+            [self._prepare_one(np.asarray(image), i) for i, image in enumerate(images)]
+        )
+
+    def _prepare_one(self, image: np.ndarray, index: int) -> torch.Tensor:
+        spec = self.input_spec
+        low, high = spec.value_range
+        if image.dtype == np.uint8:
+            x = torch.from_numpy(image.astype(np.float32)) * ((high - low) / 255.0) + low
+        elif np.issubdtype(image.dtype, np.floating):
+            x = torch.from_numpy(image.astype(np.float32))
+            if not torch.isfinite(x).all():
+                raise InputError(f"image {index} contains NaN or infinite values")
+            slack = 1e-3 * (high - low)
+            if x.numel() and (x.min() < low - slack or x.max() > high + slack):
+                raise InputError(
+                    f"image {index}: float pixels must lie in the value range [{low}, {high}], got "
+                    f"[{x.min().item():.4g}, {x.max().item():.4g}]; send uint8 (0..255) or scale the floats"
+                )
+            x = x.clamp(low, high)
+        else:
+            raise InputError(
+                f"image {index}: unsupported pixel type {image.dtype}; use uint8 or float"
+            )
+        x = self._to_chw(x, index)
+        if x.shape == spec.shape:
+            return x
+        if spec.resize == "strict":
+            raise InputError(
+                f"image {index} has shape {'x'.join(map(str, x.shape))} (channels x height x width); "
+                f"this model takes exactly {'x'.join(map(str, spec.shape))} and its input spec is strict"
+            )
+        x = self._convert_channels(x, index)
+        if x.shape[1:] != (spec.height, spec.width):
+            x = F.interpolate(
+                x.unsqueeze(0),
+                size=(spec.height, spec.width),
+                mode="bilinear",
+                antialias=True,
+                align_corners=False,
+            )[0].clamp(low, high)
+        return x
+
+    def _to_chw(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if x.ndim == 2:
+            return x.unsqueeze(0)
+        if x.ndim != 3:
+            raise InputError(f"image {index} must be HW, HWC or CHW, got {x.ndim} dimensions")
+        if x.shape[0] == self.input_spec.channels and tuple(x.shape[1:]) == (
+            self.input_spec.height,
+            self.input_spec.width,
+        ):
+            return x
+        if x.shape[2] in (1, 2, 3, 4):
+            return x.permute(2, 0, 1)
+        if x.shape[0] in (1, 2, 3, 4):
+            return x
+        raise InputError(
+            f"image {index} with shape {tuple(x.shape)} has no channel axis of 1 to 4 channels"
+        )
+
+    def _convert_channels(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        target = self.input_spec.channels
+        channels = x.shape[0]
+        if channels == target:
+            return x
+        if channels in (2, 4):  # drop alpha
+            x, channels = x[: channels - 1], channels - 1
+        if channels == target:
+            return x
+        if channels == 3 and target == 1:
+            luma = torch.tensor(LUMA, dtype=x.dtype).view(3, 1, 1)
+            return (x * luma).sum(dim=0, keepdim=True)
+        if channels == 1 and target == 3:
+            return x.expand(3, -1, -1).contiguous()
+        raise InputError(
+            f"image {index}: cannot convert {channels} channel(s) to the model's {target}"
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # Scoring
+    # ---------------------------------------------------------------------------------------
+    def predict(self, x: np.ndarray | torch.Tensor) -> GuardResult:
+        """Labels, probabilities, scores and flags of a batch [N, C, H, W] already in the input
+        spec's shape and value range, from ONE forward pass per chunk of ``batch_size``."""
+        batch = torch.as_tensor(x) if isinstance(x, np.ndarray) else x
+        if batch.ndim != 4 or tuple(batch.shape[1:]) != self.input_spec.shape:
+            raise InputError(
+                f"expected a batch of shape [N, {', '.join(map(str, self.input_spec.shape))}], got {tuple(batch.shape)}"
+            )
+        if not batch.is_floating_point():
+            raise InputError(
+                f"expected float pixels in the value range, got {batch.dtype}; use prepare() for uint8"
+            )
+        if not torch.isfinite(batch).all():
+            raise InputError("the batch contains NaN or infinite values")
+        chunks = [
+            self._predict_chunk(batch[i : i + self.batch_size])
+            for i in range(0, len(batch), self.batch_size)
+        ]
+        if chunks:
+            logits, scores = (torch.cat(parts) for parts in zip(*chunks, strict=True))
+        else:
+            logits, scores = torch.zeros(0, len(self.class_names)), torch.zeros(0)
+        probabilities = torch.softmax(logits.float(), dim=1)
+        confidences, labels = probabilities.max(dim=1)
+        label_array = labels.numpy().astype(np.int64)
+        score_array = scores.numpy().astype(np.float32)
+        return GuardResult(
+            labels=label_array,
+            class_names=[self.class_names[i] for i in label_array],
+            confidences=confidences.numpy().astype(np.float32),
+            probabilities=probabilities.numpy().astype(np.float32),
+            scores=score_array,
+            flagged=score_array > self.threshold,
+            threshold=self.threshold,
+        )
+
+    def _predict_chunk(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock, torch.inference_mode(), self._extractor as fx:
+            logits = self.model(batch.to(self.device, torch.float32))
+            features = fx.features()
+            scores = self.detector_module(features, logits.argmax(dim=1))
+            return logits.float().cpu(), scores.float().cpu()
+
+    def predict_images(self, images: Sequence[np.ndarray] | np.ndarray) -> GuardResult:
+        """:meth:`prepare` then :meth:`predict`."""
+        return self.predict(self.prepare(images))
+
+    def warmup(self, batch_sizes: Sequence[int] = (1, 8)) -> None:
+        """Run each batch size once so the first request pays no start-up cost."""
+        low = self.input_spec.value_range[0]
+        for size in batch_sizes:
+            self.predict(torch.full((size, *self.input_spec.shape), float(low)))

@@ -1,0 +1,365 @@
+"""Mahalanobis baseline (Lee et al. 2018; seed 003, appendix E.2.1).
+
+Per layer l (the input of the first residual block and the output of each stage, i.e. the last
+block of each group of blocks of one shape; or every block's output with ``layers="blocks"``),
+activations are mean-pooled over space, class means and one tied covariance are fitted on clean
+training images (``fit_clean``; the precision is a pseudo-inverse, so singular covariances are
+fine), and the layer's feature is the Gaussian score
+
+    S_l(x) = max_c -(h_l(x) - mu_c)^T Sigma^-1 (h_l(x) - mu_c)        (higher = more normal)
+
+after input pre-processing x -> x - eps * sign(grad_x min_c distance_l), a step that increases
+S_l (Lee et al.; their step in normalized space equals this one in pixel space). The per-layer
+scores go into a random forest trained on abnormal-vs-clean images (``fit``), whose fraction of
+trees voting abnormal is the score: HIGHER = MORE ABNORMAL. The magnitude eps is chosen on a
+validation split of the training data passed to ``fit`` (best AUROC), never on test data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from sklearn.base import BaseEstimator
+from sklearn.covariance import EmpiricalCovariance
+from sklearn.ensemble import RandomForestClassifier
+from sklearn.model_selection import train_test_split
+from torch import nn
+
+from detector.errors import ConfigError, InputError
+from detector.features import check_features, check_images, model_device
+from detector.forest import check_binary_labels, check_class_labels, check_fitted, vote_fraction
+from detector.metrics import auroc
+from detector.taps import default_tap_names
+
+MAGNITUDES = (0.0, 0.0005, 0.001, 0.0014, 0.002, 0.005, 0.01)
+
+
+def block_names(model: nn.Module, taps: Sequence[str] | None = None) -> list[str]:
+    """Residual block modules: the parents of the residual taps."""
+    names = list(taps) if taps is not None else default_tap_names(model)
+    return [name.rsplit(".", 1)[0] for name in names]
+
+
+class LayerTaps:
+    """Context manager recording spatially mean-pooled activations: the input of ``first`` and
+    the outputs of ``outputs`` (module names), in that order; gradients flow through them."""
+
+    def __init__(self, model: nn.Module, first: str, outputs: Sequence[str]) -> None:
+        modules = dict(model.named_modules())
+        self._first = modules[first]
+        self._outputs = [modules[name] for name in outputs]
+        self._handles: list[Any] = []
+        self.values: list[torch.Tensor | None] = [None] * (1 + len(outputs))
+
+    @staticmethod
+    def _pool(x: torch.Tensor) -> torch.Tensor:
+        return x.float().mean(dim=tuple(range(2, x.ndim))) if x.ndim > 2 else x.float()
+
+    def __enter__(self) -> LayerTaps:
+        def first_hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            self.values[0] = self._pool(inputs[0])
+
+        def output_hook(index: int) -> Any:
+            def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+                self.values[index] = self._pool(output)
+
+            return hook
+
+        self._handles.append(self._first.register_forward_pre_hook(first_hook))
+        for i, module in enumerate(self._outputs, start=1):
+            self._handles.append(module.register_forward_hook(output_hook(i)))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def layers(self) -> list[torch.Tensor]:
+        if any(v is None for v in self.values):
+            raise RuntimeError("no forward pass has gone through every layer inside this context")
+        return [v for v in self.values if v is not None]
+
+
+def stage_layers(
+    model: nn.Module, sample: torch.Tensor, taps: Sequence[str] | None, layers: str
+) -> list[str]:
+    """Block names whose outputs are used: the last block of each same-shape group ("stages")
+    or every block ("blocks")."""
+    names = block_names(model, taps)
+    if layers == "blocks":
+        return names
+    shapes: list[tuple[int, ...]] = []
+    modules = dict(model.named_modules())
+    handles = [
+        modules[n].register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape[1:])))
+        for n in names
+    ]
+    try:
+        with torch.no_grad():
+            model(sample)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [n for i, n in enumerate(names) if i == len(names) - 1 or shapes[i] != shapes[i + 1]]
+
+
+def gaussian_scores(h: torch.Tensor, means: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+    """max_c -(h - mu_c)^T P (h - mu_c) per sample: [N]."""
+    diff = h[:, None, :] - means[None, :, :]  # [N, K, C]
+    distance = torch.einsum("nkc,cd,nkd->nk", diff, precision, diff)
+    return -distance.min(dim=1).values
+
+
+class MahalanobisDetector(BaseEstimator):
+    """Lee et al. (2018) with a random forest on per-layer scores (see the module docstring).
+
+    ``fit_clean(model, x, y)`` then ``fit(model, x, is_abnormal)``; ``score(model, x)`` ->
+    float64 [N], HIGHER = MORE ABNORMAL (fraction of trees voting abnormal).
+    """
+
+    def __init__(
+        self,
+        magnitudes: Sequence[float] = MAGNITUDES,
+        random_state: int | None = 0,
+        *,
+        layers: Literal["stages", "blocks"] = "stages",
+        taps: Sequence[str] | None = None,
+        n_estimators: int = 100,
+        validation_fraction: float = 0.2,
+        selection_samples: int | None = 2000,
+        batch_size: int = 128,
+        n_jobs: int | None = None,
+    ) -> None:
+        self.magnitudes = magnitudes
+        self.random_state = random_state
+        self.layers = layers
+        self.taps = taps
+        self.n_estimators = n_estimators
+        self.validation_fraction = validation_fraction
+        self.selection_samples = selection_samples
+        self.batch_size = batch_size
+        self.n_jobs = n_jobs
+
+    # ---------------------------------------------------------------------------------------
+    # Layer activations and scores
+    # ---------------------------------------------------------------------------------------
+    def _taps(self, model: nn.Module) -> LayerTaps:
+        return LayerTaps(model, block_names(model, self.taps)[0], self.layer_names_)
+
+    def _pooled(self, model: nn.Module, x: np.ndarray) -> list[np.ndarray]:
+        device = model_device(model)
+        parts: list[list[np.ndarray]] = []
+        with torch.no_grad(), self._taps(model) as taps:
+            for start in range(0, len(x), self.batch_size):
+                model(torch.from_numpy(x[start : start + self.batch_size]).to(device))
+                parts.append([h.cpu().numpy() for h in taps.layers()])
+        return [
+            np.concatenate([p[i] for p in parts]).astype(np.float64) for i in range(len(parts[0]))
+        ]
+
+    def _statistics(self, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        means = [torch.from_numpy(m).float().to(device) for m in self.means_]
+        precisions = [torch.from_numpy(p).float().to(device) for p in self.precisions_]
+        return means, precisions
+
+    def _check_network(self, model: nn.Module, x: np.ndarray) -> None:
+        with torch.no_grad(), self._taps(model) as taps:
+            model(torch.from_numpy(x[:1]).to(model_device(model)))
+            dims = [h.shape[1] for h in taps.layers()]
+        if dims != self.layer_dims_:
+            raise InputError(
+                f"fitted on layers with dims {self.layer_dims_}, got {dims}: this detector belongs to another network"
+            )
+
+    @staticmethod
+    def _gradient_signs(
+        model: nn.Module,
+        taps: LayerTaps,
+        batch: torch.Tensor,
+        means: list[torch.Tensor],
+        precisions: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """sign(grad_x min_c distance_l) for every layer l (independent of the magnitude)."""
+        x = batch.clone().requires_grad_(True)
+        with torch.enable_grad():
+            model(x)
+            layers = taps.layers()
+            signs = []
+            for index, h in enumerate(layers):
+                distance = -gaussian_scores(h, means[index], precisions[index])
+                (grad,) = torch.autograd.grad(
+                    distance.sum(), x, retain_graph=index < len(layers) - 1
+                )
+                signs.append(grad.sign())
+        return signs
+
+    def _features_for(
+        self, model: nn.Module, x: np.ndarray, magnitudes: Sequence[float]
+    ) -> dict[float, np.ndarray]:
+        """Per-layer Gaussian scores [N, L] of ``x`` for each magnitude."""
+        check_fitted(self)
+        device = model_device(model)
+        means, precisions = self._statistics(device)
+        n_layers = len(means)
+        out: dict[float, list[np.ndarray]] = {float(m): [] for m in magnitudes}
+        was_training = model.training
+        model.eval()
+        try:
+            with self._taps(model) as taps:
+                for start in range(0, len(x), self.batch_size):
+                    batch = torch.from_numpy(x[start : start + self.batch_size]).to(device)
+                    signs = None
+                    if any(m > 0 for m in magnitudes):
+                        signs = self._gradient_signs(model, taps, batch, means, precisions)
+                    for magnitude in out:
+                        with torch.no_grad():
+                            if magnitude == 0 or signs is None:
+                                model(batch)
+                                layers = taps.layers()
+                                scores = [
+                                    gaussian_scores(layers[i], means[i], precisions[i])
+                                    for i in range(n_layers)
+                                ]
+                            else:
+                                scores = []
+                                for i in range(n_layers):
+                                    model(batch - magnitude * signs[i])
+                                    scores.append(
+                                        gaussian_scores(taps.layers()[i], means[i], precisions[i])
+                                    )
+                        out[magnitude].append(torch.stack(scores, dim=1).cpu().numpy())
+        finally:
+            model.train(was_training)
+        return {m: np.concatenate(parts).astype(np.float32) for m, parts in out.items()}
+
+    def mahalanobis_features(self, model: nn.Module, x: np.ndarray, magnitude: float) -> np.ndarray:
+        """Per-layer Gaussian scores [N, L] (higher = more normal) after pre-processing with ``magnitude``."""
+        x = check_images(x)
+        check_fitted(self)
+        self._check_network(model, x)
+        return self._features_for(model, x, [magnitude])[float(magnitude)]
+
+    # ---------------------------------------------------------------------------------------
+    # Fitting and scoring
+    # ---------------------------------------------------------------------------------------
+    def fit_clean(self, model: nn.Module, x: np.ndarray, y: np.ndarray) -> MahalanobisDetector:
+        """Class means and tied covariance per layer from clean training images and their labels."""
+        if self.layers not in ("stages", "blocks"):
+            raise ConfigError(f"layers must be 'stages' or 'blocks', got {self.layers!r}")
+        x = check_images(x)
+        labels = check_class_labels(y, len(x), "y")
+        if len(x) < 2:
+            raise InputError("fit_clean needs at least 2 images")
+        was_training = model.training
+        model.eval()
+        try:
+            sample = torch.from_numpy(x[:1]).to(model_device(model))
+            self.layer_names_ = stage_layers(model, sample, self.taps, self.layers)
+            pooled = self._pooled(model, x)
+        finally:
+            model.train(was_training)
+        classes = np.unique(labels)
+        means, precisions = [], []
+        for h in pooled:
+            class_means = np.stack([h[labels == c].mean(axis=0) for c in classes])
+            centered = h - class_means[np.searchsorted(classes, labels)]
+            precisions.append(EmpiricalCovariance(assume_centered=True).fit(centered).precision_)
+            means.append(class_means)
+        self.classes_ = classes
+        self.means_ = means
+        self.precisions_ = precisions
+        self.layer_dims_ = [h.shape[1] for h in pooled]
+        return self
+
+    def copy_statistics(self, **params: Any) -> MahalanobisDetector:
+        """A new detector with this one's parameters updated by ``params`` and its fitted clean
+        statistics (``fit_clean``) shared, ready for ``fit``: one Gaussian fit, many forests."""
+        check_fitted(self)
+        copy = type(self)(**{**self.get_params(), **params})
+        for name in ("layer_names_", "classes_", "means_", "precisions_", "layer_dims_"):
+            setattr(copy, name, getattr(self, name))
+        return copy
+
+    def _forest(self) -> RandomForestClassifier:
+        return RandomForestClassifier(
+            n_estimators=self.n_estimators, random_state=self.random_state, n_jobs=self.n_jobs
+        )
+
+    def fit(self, model: nn.Module, x: np.ndarray, is_abnormal: np.ndarray) -> MahalanobisDetector:
+        """Choose the magnitude on a validation split of (x, is_abnormal), then fit the forest on all."""
+        if not hasattr(self, "means_"):
+            raise ConfigError("call fit_clean(model, clean_train_images, labels) before fit")
+        x = check_images(x)
+        y = check_binary_labels(is_abnormal, len(x))
+        self._check_network(model, x)
+        magnitudes = [float(m) for m in self.magnitudes]
+        if not magnitudes or any(m < 0 for m in magnitudes):
+            raise ConfigError(
+                f"magnitudes must be a non-empty list of values >= 0, got {self.magnitudes}"
+            )
+        self.selection_auroc_: dict[float, float] = {}
+        if len(magnitudes) == 1:
+            self.magnitude_ = magnitudes[0]
+        else:
+            self.magnitude_ = self._select_magnitude(model, x, y, magnitudes)
+        features = self._features_for(model, x, [self.magnitude_])[self.magnitude_]
+        self.forest_ = self._forest().fit(features, y)
+        self.n_features_in_ = features.shape[1]
+        return self
+
+    def _select_magnitude(
+        self, model: nn.Module, x: np.ndarray, y: np.ndarray, magnitudes: list[float]
+    ) -> float:
+        index = np.arange(len(x))
+        if self.selection_samples is not None and len(x) > self.selection_samples:
+            index, _ = train_test_split(
+                index, train_size=self.selection_samples, stratify=y, random_state=self.random_state
+            )
+        train, val = train_test_split(
+            index,
+            test_size=self.validation_fraction,
+            stratify=y[index],
+            random_state=self.random_state,
+        )
+        features = self._features_for(model, x[index], magnitudes)
+        position = {i: p for p, i in enumerate(index)}
+        train_rows = np.array([position[i] for i in train])
+        val_rows = np.array([position[i] for i in val])
+        for magnitude, f in features.items():
+            forest = self._forest().fit(f[train_rows], y[train])
+            self.selection_auroc_[magnitude] = auroc(y[val], vote_fraction(forest, f[val_rows]))
+        return max(magnitudes, key=lambda m: self.selection_auroc_[m])  # first of the best
+
+    def _check_forest(self) -> None:
+        check_fitted(self)
+        if not hasattr(self, "forest_"):
+            raise ConfigError("call fit(model, x, is_abnormal) before scoring")
+
+    def score_features(self, features: np.ndarray) -> np.ndarray:
+        """Forest score of precomputed per-layer features (``mahalanobis_features`` at
+        ``magnitude_``): HIGHER = MORE ABNORMAL."""
+        self._check_forest()
+        return vote_fraction(self.forest_, check_features(features, self.n_features_in_))
+
+    def score(self, model: nn.Module, x: np.ndarray) -> np.ndarray:
+        """Abnormality scores in [0, 1] of images ``x``: HIGHER = MORE ABNORMAL."""
+        self._check_forest()
+        return self.score_features(self.mahalanobis_features(model, x, self.magnitude_))
+
+
+def mahalanobis_features(
+    model: nn.Module, x: np.ndarray, statistics: MahalanobisDetector, magnitude: float = 0.0
+) -> np.ndarray:
+    """Per-layer Gaussian scores [N, L] of ``x`` from a detector fitted with ``fit_clean``
+    (function form of :meth:`MahalanobisDetector.mahalanobis_features`, e.g. for timing)."""
+    return statistics.mahalanobis_features(model, x, magnitude)

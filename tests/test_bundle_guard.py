@@ -1,0 +1,266 @@
+"""Bundles (round trip, refusals) and the Guard (input preparation, the one scoring path)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from detector import networks
+from detector.bundle import DETECTOR_FILE, MANIFEST_FILE, load_bundle, write_bundle
+from detector.calibration import Calibration
+from detector.errors import ArtefactError, InputError
+from detector.features import extract_features
+from detector.forest import TransportDetector
+from detector.guard import Guard
+from detector.quantile import QuantileDetector
+
+
+def _images(n: int, seed: int, noisy: bool) -> np.ndarray:
+    """Smooth blobs (clean) or the same plus strong pixel noise (abnormal), in [0, 1]."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:28, 0:28] / 27.0
+    centers = rng.random((n, 2))
+    images = np.exp(-((xx - centers[:, :1, None]) ** 2 + (yy - centers[:, 1:, None]) ** 2) * 8)
+    if noisy:
+        images = images + rng.normal(0, 0.35, images.shape)
+    return np.clip(images, 0, 1).astype(np.float32)[:, None]
+
+
+@pytest.fixture
+def run(tmp_path: Path, tiny_network: torch.nn.Module) -> dict:
+    network_dir = networks.save(tiny_network, tmp_path / "network")
+    x = np.concatenate([_images(60, 0, False), _images(60, 1, True)])
+    y = np.r_[np.zeros(60), np.ones(60)].astype(int)
+    features, logits = extract_features(tiny_network, x)
+    detector = TransportDetector(n_estimators=15, min_class_samples=5).fit(
+        features, y, logits.argmax(1)
+    )
+    clean_val, _ = extract_features(tiny_network, _images(50, 2, False))
+    calibration = Calibration.from_scores(detector.score(clean_val, np.zeros(50, int)), 0.1)
+    return {
+        "network_dir": network_dir,
+        "detector": detector,
+        "calibration": calibration,
+        "model": tiny_network,
+    }
+
+
+@pytest.fixture
+def bundle_dir(tmp_path: Path, run: dict) -> Path:
+    return write_bundle(
+        tmp_path / "bundle",
+        network_dir=run["network_dir"],
+        detector=run["detector"],
+        calibration=run["calibration"],
+        name="tiny",
+        dataset="fashion-mnist",
+        metrics={"accuracy": 0.9},
+    )
+
+
+def test_bundle_round_trip(bundle_dir: Path, run: dict) -> None:
+    assert sorted(p.name for p in bundle_dir.iterdir()) == [
+        DETECTOR_FILE,
+        MANIFEST_FILE,
+        networks.WEIGHTS_FILE,
+    ]
+    bundle = load_bundle(bundle_dir)
+    manifest = bundle.manifest
+    assert manifest.threshold == run["calibration"].threshold and manifest.target_fpr == 0.1
+    assert manifest.detector.kind == "transport" and manifest.detector.feature_names[:2] == [
+        "msq_0",
+        "cos_0",
+    ]
+    assert (
+        manifest.metrics == {"accuracy": 0.9} and manifest.network.architecture == "resnet9_mnist"
+    )
+    x = _images(20, 3, True)
+    features, logits = extract_features(bundle.model, x)
+    predicted = logits.argmax(1)
+    np.testing.assert_allclose(
+        bundle.detector.score(features, predicted),
+        run["detector"].score(features, predicted),
+        atol=1e-6,
+    )
+    for a, b in zip(
+        bundle.model.state_dict().values(), run["model"].state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b)
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", [networks.WEIGHTS_FILE, DETECTOR_FILE])
+def test_tampered_file_is_refused_by_name(bundle_dir: Path, name: str) -> None:
+    _flip_byte(bundle_dir / name)
+    with pytest.raises(ArtefactError, match=f"checksum mismatch for bundle file {name}"):
+        load_bundle(bundle_dir)
+    with pytest.raises(ArtefactError, match=name):
+        Guard.from_bundle(bundle_dir, device="cpu")
+
+
+def test_missing_file_is_refused(bundle_dir: Path) -> None:
+    (bundle_dir / DETECTOR_FILE).unlink()
+    with pytest.raises(ArtefactError, match=f"{DETECTOR_FILE} listed in the manifest is missing"):
+        load_bundle(bundle_dir)
+
+
+def _edit_manifest(bundle_dir: Path, edit) -> None:
+    path = bundle_dir / MANIFEST_FILE
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m.update(format_version=2), "unknown bundle format version 2"),
+        (
+            lambda m: m["network"].update(architecture="resnet1000"),
+            "unknown architecture 'resnet1000'",
+        ),
+        (lambda m: m["files"].pop(DETECTOR_FILE), f"does not list required file.*{DETECTOR_FILE}"),
+        (lambda m: m.update(surprise=1), "surprise"),
+    ],
+)
+def test_invalid_manifest_is_refused_with_the_problem(bundle_dir: Path, edit, message: str) -> None:
+    _edit_manifest(bundle_dir, edit)
+    with pytest.raises(ArtefactError, match=message):
+        load_bundle(bundle_dir)
+
+
+def test_missing_bundle_and_bad_json_are_refused(tmp_path: Path, bundle_dir: Path) -> None:
+    with pytest.raises(ArtefactError, match="does not exist"):
+        load_bundle(tmp_path / "nowhere")
+    (bundle_dir / MANIFEST_FILE).write_text("{not json")
+    with pytest.raises(ArtefactError, match="not valid JSON"):
+        load_bundle(bundle_dir)
+
+
+def test_detector_of_another_network_is_refused_at_bundling(tmp_path: Path, run: dict) -> None:
+    features = np.random.default_rng(0).random((40, 6), dtype=np.float32)  # 3 blocks, not 2
+    other = TransportDetector(n_estimators=3).fit(
+        features, np.r_[np.zeros(20), np.ones(20)].astype(int), np.zeros(40, int)
+    )
+    with pytest.raises(ArtefactError, match="fitted on 6 features but this network gives 4"):
+        write_bundle(
+            tmp_path / "b",
+            network_dir=run["network_dir"],
+            detector=other,
+            calibration=run["calibration"],
+            name="x",
+            dataset="d",
+        )
+
+
+def test_guard_predict_is_the_network_and_the_detector(bundle_dir: Path, run: dict) -> None:
+    guard = Guard.from_bundle(bundle_dir, device="cpu")
+    guard.warmup()
+    x = np.concatenate([_images(15, 4, False), _images(15, 5, True)])
+    result = guard.predict(x)
+    with torch.no_grad():
+        logits = run["model"](torch.from_numpy(x))
+    np.testing.assert_array_equal(result.labels, logits.argmax(1).numpy())
+    np.testing.assert_allclose(result.probabilities, torch.softmax(logits, 1).numpy(), atol=1e-5)
+    np.testing.assert_allclose(result.confidences, result.probabilities.max(1))
+    features, _ = extract_features(run["model"], x)
+    np.testing.assert_allclose(
+        result.scores, run["detector"].score(features, result.labels), atol=1e-6
+    )
+    np.testing.assert_array_equal(result.flagged, result.scores > guard.threshold)
+    assert result.class_names == [guard.class_names[i] for i in result.labels]
+    assert result.scores.dtype == np.float32 and result.labels.dtype == np.int64
+    # Built from in-memory objects, in chunks: the same answers.
+    in_memory = Guard.from_run(
+        run["network_dir"], run["detector"], run["calibration"], device="cpu"
+    )
+    in_memory.batch_size = 7
+    np.testing.assert_allclose(in_memory.predict(x).scores, result.scores, atol=1e-6)
+
+
+def test_quantile_bundle_round_trip(tmp_path: Path, run: dict) -> None:
+    clean, _ = extract_features(run["model"], _images(80, 6, False))
+    detector = QuantileDetector(fpr=0.1).fit(clean)
+    out = write_bundle(
+        tmp_path / "q",
+        network_dir=run["network_dir"],
+        detector=detector,
+        calibration=Calibration.from_scores(detector.score(clean), 0.1),
+        name="q",
+        dataset="d",
+    )
+    guard = Guard.from_bundle(out, device="cpu")
+    x = _images(10, 7, True)
+    features, _ = extract_features(run["model"], x)
+    np.testing.assert_allclose(guard.predict(x).scores, detector.score(features), atol=1e-5)
+
+
+@pytest.fixture
+def guard(run: dict) -> Guard:
+    return Guard.from_run(run["model"], run["detector"], run["calibration"], device="cpu")
+
+
+def test_prepare_converts_uint8_rgb_to_gray_28(guard: Guard) -> None:
+    rgb = np.zeros((32, 32, 3), np.uint8)
+    rgb[..., 0], rgb[..., 1], rgb[..., 2] = 255, 128, 0
+    rgba = np.concatenate([rgb, np.full((32, 32, 1), 255, np.uint8)], axis=2)
+    batch = guard.prepare([rgb, rgba, np.full((28, 28), 0.5, np.float32)])
+    assert batch.shape == (3, 1, 28, 28) and batch.dtype == torch.float32
+    expected = (0.299 * 255 + 0.587 * 128) / 255
+    assert torch.allclose(batch[0], torch.full((1, 28, 28), expected), atol=1e-5)
+    assert torch.allclose(batch[1], batch[0])
+    assert torch.allclose(batch[2], torch.full((1, 28, 28), 0.5))
+    assert len(guard.predict_images([rgb]).labels) == 1
+
+
+def test_prepare_refuses_in_strict_mode_and_bad_pixels(guard: Guard) -> None:
+    guard.input_spec = guard.input_spec.model_copy(update={"resize": "strict"})
+    assert guard.prepare([np.zeros((28, 28), np.uint8)]).shape == (1, 1, 28, 28)
+    with pytest.raises(InputError, match="1x28x28"):
+        guard.prepare([np.zeros((32, 32, 3), np.uint8)])
+    bad = np.zeros((28, 28), np.float32)
+    bad[3, 3] = np.nan
+    with pytest.raises(InputError, match="NaN"):
+        guard.prepare([bad])
+    with pytest.raises(InputError, match="value range"):
+        guard.prepare([np.full((28, 28), 200.0, np.float32)])
+    with pytest.raises(InputError, match="pixel type"):
+        guard.prepare([np.zeros((28, 28), np.int16)])
+    with pytest.raises(InputError, match="dimensions"):
+        guard.prepare([np.zeros((1, 1, 28, 28), np.uint8)])
+    with pytest.raises(InputError, match=r"\[N, 1, 28, 28\]"):
+        guard.predict(np.zeros((2, 3, 28, 28), np.float32))
+
+
+def test_prepare_repeats_gray_into_rgb_and_keeps_rgba_for_four_channels(run: dict) -> None:
+    spec = networks.InputSpec(channels=3, height=16, width=16, mean=[0.5] * 3, std=[0.25] * 3)
+    rgb_guard = Guard(
+        run["model"],
+        torch.nn.Identity(),
+        input_spec=spec,
+        class_names=["a"],
+        threshold=0.5,
+        device="cpu",
+    )
+    gray = np.full((28, 28), 51, np.uint8)
+    batch = rgb_guard.prepare([gray])
+    assert batch.shape == (1, 3, 16, 16) and torch.allclose(batch, torch.full_like(batch, 0.2))
+    rgba_spec = spec.model_copy(update={"channels": 4, "mean": [0.5] * 4, "std": [0.25] * 4})
+    rgba_guard = Guard(
+        run["model"],
+        torch.nn.Identity(),
+        input_spec=rgba_spec,
+        class_names=["a"],
+        threshold=0.5,
+        device="cpu",
+    )
+    assert rgba_guard.prepare([np.zeros((20, 20, 4), np.uint8)]).shape == (1, 4, 16, 16)

@@ -1,0 +1,199 @@
+"""Detectors: score direction (higher = more abnormal), tensor forms equal to sklearn, width refusal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from detector.errors import InputError, NotFittedError
+from detector.features import extract_features
+from detector.forest import TensorForest, TransportDetector, forest_arrays
+from detector.mahalanobis import MahalanobisDetector, mahalanobis_features
+from detector.metrics import auroc
+from detector.networks import get_model
+from detector.nss import NSSDetector, nss_features
+from detector.quantile import QuantileDetector
+
+WIDTH_ERROR = "fitted on 6 features, got 8: this detector belongs to another network"
+
+
+def _separated(n: int, seed: int, shift: float = 2.5) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Clean features N(0, 1), abnormal ones shifted in two of 6 columns; predicted labels 0..3."""
+    rng = np.random.default_rng(seed)
+    y = np.r_[np.zeros(n), np.ones(n)].astype(int)
+    x = rng.normal(size=(2 * n, 6)).astype(np.float32)
+    x[y == 1, :2] += shift
+    return x, y, rng.integers(0, 4, 2 * n)
+
+
+def test_transport_detector_scores_abnormal_higher() -> None:
+    x, y, predicted = _separated(200, 0)
+    detector = TransportDetector(n_estimators=30, min_class_samples=20).fit(x, y, predicted)
+    xt, yt, pt = _separated(200, 1)
+    scores = detector.score(xt, pt)
+    assert scores.min() >= 0 and scores.max() <= 1
+    assert scores[yt == 1].mean() > scores[yt == 0].mean() + 0.5
+    assert auroc(yt, scores) > 0.95
+    np.testing.assert_array_equal(detector.predict(xt, pt), scores > 0.5)
+
+
+def test_class_forests_only_where_both_labels_are_common_enough() -> None:
+    x, y, predicted = _separated(100, 2)
+    predicted[(predicted == 3) & (y == 1)] = 0  # class 3 has no abnormal samples
+    detector = TransportDetector(n_estimators=5, min_class_samples=10).fit(x, y, predicted)
+    assert sorted(detector.class_forests_) == [0, 1, 2]
+    assert (
+        list(
+            TransportDetector(n_estimators=5, class_conditional=False)
+            .fit(x, y, predicted)
+            .class_forests_
+        )
+        == []
+    )
+
+
+@pytest.mark.parametrize("max_depth", [None, 3])
+def test_tensor_forest_equals_sklearn(max_depth: int | None) -> None:
+    x, y, predicted = _separated(150, 3, shift=0.8)
+    detector = TransportDetector(n_estimators=25, max_depth=max_depth, min_class_samples=10).fit(
+        x, y, predicted
+    )
+    xt, _, _ = _separated(100, 4, shift=0.8)
+    # Include values exactly on split thresholds, and labels without a class forest.
+    arrays = detector.arrays_
+    internal = np.flatnonzero(np.isfinite(arrays["threshold"]))[:40]
+    for row, node in enumerate(internal):
+        xt[row, arrays["feature"][node]] = np.float32(arrays["threshold"][node])
+    pt = np.random.default_rng(5).integers(-1, 7, len(xt))
+    expected = detector.score(xt, pt)
+    module = detector.to_torch()
+    with torch.inference_mode():
+        got = module(torch.from_numpy(xt), torch.from_numpy(pt)).numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    # One forest alone: fraction of trees voting abnormal, as sklearn's trees vote.
+    forest = TensorForest(forest_arrays([detector.forest_]), 6)
+    votes = np.mean([t.predict(xt) for t in detector.forest_.estimators_], axis=0)
+    np.testing.assert_allclose(forest.fraction(torch.from_numpy(xt)).numpy(), votes, atol=1e-6)
+    restored = TransportDetector.from_arrays(*detector.to_arrays())
+    np.testing.assert_allclose(restored.score(xt, pt), expected, atol=1e-6)
+
+
+def test_detectors_refuse_another_width_and_unfitted_use() -> None:
+    x, y, predicted = _separated(60, 6)
+    wide = np.zeros((3, 8), np.float32)
+    transport = TransportDetector(n_estimators=3).fit(x, y, predicted)
+    quantile = QuantileDetector().fit(x)
+    with pytest.raises(InputError, match=WIDTH_ERROR):
+        transport.score(wide, np.zeros(3, int))
+    with pytest.raises(InputError, match=WIDTH_ERROR):
+        quantile.score(wide)
+    with pytest.raises(InputError, match="fitted on 6 features"):
+        transport.to_torch()(torch.from_numpy(wide), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(NotFittedError):
+        TransportDetector().score(x, predicted)
+    with pytest.raises(InputError, match="both clean"):
+        TransportDetector().fit(x, np.zeros(len(x), int), predicted)
+
+
+@pytest.mark.parametrize("feature", ["transport_cost", "all"])
+def test_quantile_detector_direction_fpr_and_tensor_form(feature: str) -> None:
+    rng = np.random.default_rng(7)
+    clean = np.abs(rng.normal(size=(4000, 6))).astype(np.float32)
+    abnormal = clean[:500] * 4.0
+    detector = QuantileDetector(feature=feature, fpr=0.1).fit(clean[:2000])
+    clean_scores, abnormal_scores = detector.score(clean[2000:]), detector.score(abnormal)
+    assert abnormal_scores.mean() > clean_scores.mean()
+    assert auroc(np.r_[np.zeros(2000), np.ones(500)], np.r_[clean_scores, abnormal_scores]) > 0.9
+    assert np.mean(clean_scores > 0) <= 0.1 + 0.04  # the band alone flags about fpr of clean data
+    with torch.inference_mode():
+        np.testing.assert_allclose(
+            detector.to_torch()(torch.from_numpy(abnormal)).numpy(), abnormal_scores, atol=1e-6
+        )
+    np.testing.assert_allclose(
+        QuantileDetector.from_arrays(*detector.to_arrays()).score(abnormal), abnormal_scores
+    )
+
+
+def test_quantile_detector_uses_only_clean_rows_and_named_cost_columns() -> None:
+    x, y, _ = _separated(100, 8)
+    names = ["msq_0", "cos_0", "msq_1", "cos_1", "cos_0_dir1", "line_shape"]
+    detector = QuantileDetector().fit(x, y, feature_names=names)
+    np.testing.assert_array_equal(detector.columns_, [0, 2])
+    assert detector.low_[0] == pytest.approx(
+        np.quantile(x[y == 0][:, [0, 2]].sum(1), 0.025), rel=1e-5
+    )
+
+
+def _fashion_images(root: Path, n: int) -> np.ndarray:
+    raw = root / "FashionMNIST" / "raw" / "t10k-images-idx3-ubyte"
+    if not raw.is_file():
+        pytest.skip(f"Fashion-MNIST is not laid out under {root}")
+    pixels = np.fromfile(raw, dtype=np.uint8, offset=16, count=n * 28 * 28)
+    return (pixels.reshape(n, 1, 28, 28) / 255.0).astype(np.float32)
+
+
+def test_nss_detector_scores_noise_higher_than_real_images(data_root: Path) -> None:
+    real = _fashion_images(data_root, 240)
+    noise = np.random.default_rng(9).random((240, 1, 28, 28), dtype=np.float32)
+    features = nss_features(real[:4])
+    assert features.shape == (4, 36) and np.isfinite(features).all()
+    y = np.r_[np.zeros(120), np.ones(120)].astype(int)
+    detector = NSSDetector(n_estimators=20).fit(np.concatenate([real[:120], noise[:120]]), y)
+    scores = detector.score(np.concatenate([real[120:], noise[120:]]))
+    assert scores[120:].mean() > scores[:120].mean() + 0.5
+    with pytest.raises(InputError, match="fitted on 36 features, got 8"):
+        detector.score_features(np.zeros((2, 8), np.float32))
+
+
+def test_mahalanobis_detector_scores_noise_higher(
+    tiny_network: torch.nn.Module, data_root: Path
+) -> None:
+    real = _fashion_images(data_root, 400)
+    labels = np.arange(400) % 10  # any labelling works for the Gaussian fit's plumbing
+    noise = np.random.default_rng(10).random((200, 1, 28, 28), dtype=np.float32)
+    detector = MahalanobisDetector(magnitudes=(0.0, 0.01), n_estimators=20, selection_samples=120)
+    detector.fit_clean(tiny_network, real[:200], labels[:200])
+    assert detector.layer_names_ == ["blocks.1"] and detector.layer_dims_ == [4, 4]
+    x = np.concatenate([real[200:300], noise[:100]])
+    y = np.r_[np.zeros(100), np.ones(100)].astype(int)
+    detector.fit(tiny_network, x, y)
+    assert detector.magnitude_ in (0.0, 0.01) and set(detector.selection_auroc_) == {0.0, 0.01}
+    scores = detector.score(tiny_network, np.concatenate([real[300:], noise[100:]]))
+    assert scores[100:].mean() > scores[:100].mean() + 0.5
+    features = detector.mahalanobis_features(tiny_network, real[:5], 0.01)
+    assert features.shape == (5, 2) and np.isfinite(features).all()
+    # Pre-processing moves inputs towards the closest class: the Gaussian score does not drop.
+    plain = detector.mahalanobis_features(tiny_network, real[:5], 0.0)
+    assert (features >= plain - 1e-3 * np.abs(plain)).mean() > 0.8
+    shared = detector.copy_statistics(random_state=3)
+    assert (
+        shared.random_state == 3
+        and shared.means_ is detector.means_
+        and not hasattr(shared, "forest_")
+    )
+    np.testing.assert_array_equal(
+        mahalanobis_features(tiny_network, real[:5], detector, 0.01), features
+    )
+    other = get_model("resnet9_mnist", width=6, depth=2, hidden=8).eval()
+    with pytest.raises(InputError, match="another network"):
+        detector.score(other, real[:3])
+
+
+def test_transport_features_feed_the_detector_end_to_end(
+    tiny_network: torch.nn.Module, data_root: Path
+) -> None:
+    real = _fashion_images(data_root, 200)
+    noisy = np.clip(real + np.random.default_rng(11).normal(0, 0.3, real.shape), 0, 1).astype(
+        np.float32
+    )
+    features, logits = extract_features(tiny_network, np.concatenate([real, noisy]))
+    y = np.r_[np.zeros(200), np.ones(200)].astype(int)
+    train = np.r_[0:150, 200:350]
+    test = np.r_[150:200, 350:400]
+    detector = TransportDetector(n_estimators=30).fit(
+        features[train], y[train], logits[train].argmax(1)
+    )
+    assert auroc(y[test], detector.score(features[test], logits[test].argmax(1))) > 0.9

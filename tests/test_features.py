@@ -1,0 +1,121 @@
+"""Transport features: equal to a hand computation, any ResNet, hooks removed, batching-invariant."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from detector.errors import InputError
+from detector.features import (
+    TransportFeatureExtractor,
+    check_features,
+    extract_features,
+    feature_names,
+    sign_directions,
+)
+
+
+def _hand_residuals(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """r_m = x_{m+1} - x_m, running the blocks one by one (h = 1, identity shortcuts)."""
+    with torch.no_grad():
+        state = model.stem(model.normalize(x))
+        residuals = []
+        for block in model.blocks:
+            following = block(state)
+            residuals.append((following - state).flatten(1).double())
+            state = following
+    return residuals
+
+
+def test_features_equal_hand_computation(tiny_network: torch.nn.Module) -> None:
+    assert all(block.h == 1.0 for block in tiny_network.blocks)
+    x = torch.rand(6, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    with (
+        torch.no_grad(),
+        TransportFeatureExtractor(tiny_network, extra_directions=2, line_shape=True) as fx,
+    ):
+        logits = tiny_network(x)
+        features = fx.features()
+    assert torch.allclose(logits, tiny_network(x))
+    assert features.dtype == torch.float32
+    assert fx.feature_names == feature_names(2, extra_directions=2, line_shape=True)
+
+    residuals = _hand_residuals(tiny_network, x)
+    d = residuals[0].shape[1]
+    expected = []
+    for r in residuals:
+        norm = r.norm(dim=1)
+        expected += [norm**2 / d, r.sum(dim=1) / (norm * math.sqrt(d))]
+    directions = sign_directions(d, 2).double()
+    for r in residuals:
+        norm = r.norm(dim=1)
+        expected += list((r @ directions / (norm[:, None] * math.sqrt(d))).T)
+    unit_sum = sum(r / r.norm(dim=1, keepdim=True) for r in residuals)
+    expected.append(len(residuals) / unit_sum.norm(dim=1))
+    expected_matrix = torch.stack(expected, dim=1).float()
+    assert torch.allclose(features, expected_matrix, rtol=1e-4, atol=1e-6)
+    assert (features[:, -1] >= 1.0 - 1e-5).all()  # LSS >= 1
+
+
+def test_sign_directions_are_balanced_fixed_and_nearly_orthogonal() -> None:
+    directions = sign_directions(1000, 3)
+    assert directions.shape == (1000, 3)
+    assert set(directions.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(directions.sum(dim=0), torch.zeros(3))  # orthogonal to the ones vector
+    assert torch.equal(directions, sign_directions(1000, 3))
+    gram = directions.T @ directions / 1000
+    assert (gram - torch.eye(3)).abs().max() < 0.15
+
+
+def test_zero_residual_gives_zero_cosine_not_nan(tiny_network: torch.nn.Module) -> None:
+    last_bn = tiny_network.blocks[0].branch[-1]
+    with torch.no_grad():
+        last_bn.weight.zero_()
+        last_bn.bias.zero_()
+    features, _ = extract_features(
+        tiny_network, np.random.default_rng(0).random((3, 1, 28, 28), dtype=np.float32)
+    )
+    assert np.isfinite(features).all()
+    assert np.all(features[:, 0] == 0) and np.all(features[:, 1] == 0)
+
+
+def test_torchvision_resnet18_has_two_features_per_block_and_hooks_are_removed() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).eval()
+    x = np.random.default_rng(0).random((2, 3, 64, 64), dtype=np.float32)
+    features, logits = extract_features(model, x)
+    assert features.shape == (2, 2 * 8) and logits.shape == (2, 1000)
+    assert np.isfinite(features).all()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_extract_features_is_batch_invariant_and_restores_mode(
+    tiny_network: torch.nn.Module,
+) -> None:
+    x = np.random.default_rng(2).random((10, 1, 28, 28), dtype=np.float32)
+    tiny_network.train()
+    small, logits_small = extract_features(tiny_network, x, batch_size=3, line_shape=True)
+    whole, logits_whole = extract_features(tiny_network, x, batch_size=256, line_shape=True)
+    assert tiny_network.training
+    assert small.shape == (10, 5)
+    np.testing.assert_allclose(small, whole, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(logits_small, logits_whole, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        np.testing.assert_allclose(
+            logits_whole, tiny_network.eval()(torch.from_numpy(x)).numpy(), rtol=1e-4, atol=1e-5
+        )
+
+
+def test_bad_inputs_are_refused(tiny_network: torch.nn.Module) -> None:
+    with pytest.raises(InputError, match=r"\[N, C, H, W\]"):
+        extract_features(tiny_network, np.zeros((1, 28, 28), np.float32))
+    with pytest.raises(InputError, match="NaN"):
+        extract_features(tiny_network, np.full((1, 1, 28, 28), np.nan, np.float32))
+    with pytest.raises(
+        InputError, match="fitted on 4 features, got 6: this detector belongs to another network"
+    ):
+        check_features(np.zeros((2, 6)), 4)

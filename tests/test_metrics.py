@@ -1,0 +1,85 @@
+"""Metrics equal scikit-learn's; calibration reaches its target FPR on held-out clean data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from sklearn import metrics as skm
+
+from detector.calibration import Calibration, calibrate_threshold, empirical_fpr
+from detector.errors import ConfigError, InputError
+from detector.metrics import auroc, detection_metrics, fpr_at_tpr, roc_curve
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("ties", [False, True])
+def test_roc_and_auroc_equal_sklearn(seed: int, ties: bool) -> None:
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, 500)
+    scores = rng.normal(size=500) + y * rng.uniform(0, 2)
+    if ties:
+        scores = np.round(scores, 1)
+    for drop in (True, False):
+        ours = roc_curve(y, scores, drop_intermediate=drop)
+        theirs = skm.roc_curve(y, scores, drop_intermediate=drop)
+        for a, b in zip(ours, theirs, strict=True):
+            np.testing.assert_allclose(a, b)
+    assert auroc(y, scores) == pytest.approx(skm.roc_auc_score(y, scores), abs=1e-12)
+    fpr, tpr, _ = skm.roc_curve(y, scores, drop_intermediate=False)
+    assert fpr_at_tpr(y, scores, 0.95) == pytest.approx(fpr[tpr >= 0.95].min())
+
+
+def test_detection_metrics_equal_sklearn() -> None:
+    rng = np.random.default_rng(3)
+    y = rng.integers(0, 2, 400)
+    scores = rng.random(400) + 0.3 * y
+    success = rng.random(400) < 0.7
+    m = detection_metrics(y, scores, 0.6, attack_success=success)
+    flagged = scores > 0.6
+    assert m["tpr"] == pytest.approx(skm.recall_score(y, flagged))
+    assert m["fpr"] == pytest.approx(1 - skm.recall_score(1 - y, ~flagged))
+    assert m["accuracy"] == pytest.approx(skm.balanced_accuracy_score(y, flagged))
+    assert m["auroc"] == pytest.approx(skm.roc_auc_score(y, scores))
+    assert m["successful_attack_detection_rate"] == pytest.approx(
+        flagged[(y == 1) & success].mean()
+    )
+    assert m["n_clean"] + m["n_abnormal"] == 400
+    balanced = np.r_[np.zeros(50), np.ones(50)]
+    balanced_scores = np.r_[np.linspace(0, 1, 50), np.linspace(0.5, 1.5, 50)]
+    assert detection_metrics(balanced, balanced_scores, 0.7)["accuracy"] == pytest.approx(
+        skm.accuracy_score(balanced, balanced_scores > 0.7)
+    )
+
+
+def test_metrics_refuse_bad_input() -> None:
+    with pytest.raises(InputError, match="both"):
+        detection_metrics(np.zeros(5), np.zeros(5), 0.5)
+    with pytest.raises(InputError, match="NaN"):
+        auroc(np.array([0, 1]), np.array([0.0, np.nan]))
+
+
+def test_calibrate_threshold_is_smallest_meeting_target() -> None:
+    scores = np.arange(100, dtype=float)  # 0..99
+    t = calibrate_threshold(scores, 0.05)
+    assert t == 94.0 and empirical_fpr(scores, t) == 0.05
+    assert empirical_fpr(scores, np.nextafter(t, -np.inf)) > 0.05
+    assert calibrate_threshold(scores, 0.0) == 99.0
+    discrete = np.r_[np.zeros(90), np.ones(10)]  # ties: the FPR can only be 0.1 or 0
+    assert calibrate_threshold(discrete, 0.05) == 1.0
+    with pytest.raises(ConfigError):
+        calibrate_threshold(scores, 1.0)
+
+
+@pytest.mark.parametrize("target", [0.01, 0.05, 0.1])
+def test_calibration_reaches_target_fpr_on_held_out_clean_data(target: float) -> None:
+    rng = np.random.default_rng(int(target * 1000))
+    n_cal, n_test = 4000, 40000
+    calibration = Calibration.from_scores(rng.gamma(2.0, size=n_cal), target)
+    assert calibration.achieved_fpr <= target and calibration.n == n_cal
+    held_out = empirical_fpr(rng.gamma(2.0, size=n_test), calibration.threshold)
+    # Binomial sampling error of both samples (4 sigma) plus the 1/n granularity of the threshold.
+    sigma = math.sqrt(target * (1 - target) * (1 / n_cal + 1 / n_test))
+    assert abs(held_out - target) <= 4 * sigma + 1 / n_cal
+    assert Calibration.from_dict(calibration.to_dict()) == calibration
