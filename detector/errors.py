@@ -25,3 +25,11 @@ class InputError(LapguardError, ValueError):
 
 class NotFittedError(LapguardError, RuntimeError):
     """An estimator was used before `fit`."""
+
+
+class InputTooLargeError(InputError):
+    """An input is larger than allowed: too many bytes, pixels or images. Send less, or raise the limit."""
+
+
+class UnsupportedMediaError(InputError):
+    """An input is of a type or format that is not accepted; the message lists what is."""

@@ -1,0 +1,258 @@
+"""Service throughput and latency against the in-process Guard, in one run.
+
+    python benchmarks/service_throughput.py --bundle runs/quick/bundle [--device cpu]
+
+Prints:
+  * in-process Guard throughput (images/s) at each batch size and the best one;
+  * the detector's share of the Guard's batch time at batch 256 (target <= 10%);
+  * in-process single-image latency (decode + prepare + predict of one PNG, no HTTP);
+  * service throughput with 32 concurrent single-image clients (multipart POST /v1/predict) and
+    its ratio to the best in-process throughput (target >= 0.8);
+  * service p50/p99 latency and p50 / in-process single-image latency (target <= 2).
+
+The server is `lapguard serve` in a subprocess on 127.0.0.1 (a free port); the load generator is
+bounded by --requests and --time-limit. Benchmark alone: other jobs on the cores skew everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from PIL import Image
+
+from detector.features import extract_features
+from detector.guard import Guard
+from detector.images import decode_image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--clients", type=int, default=32, help="concurrent single-image clients")
+    p.add_argument("--requests", type=int, default=3000, help="measured requests (after warm-up)")
+    p.add_argument(
+        "--time-limit", type=float, default=60.0, help="seconds for the measured load phase"
+    )
+    p.add_argument("--batch-sizes", default="1,8,32,64,128,256", help="in-process batch sizes")
+    p.add_argument("--max-batch-size", type=int, default=64, help="server micro-batch size")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="server micro-batch wait")
+    p.add_argument(
+        "--seconds-per-size", type=float, default=2.0, help="in-process timing budget per size"
+    )
+    return p.parse_args()
+
+
+def sample_pngs(guard: Guard, n: int, seed: int = 0) -> list[bytes]:
+    """Seeded images in the model's input shape, PNG-encoded (what clients send)."""
+    spec = guard.input_spec
+    rng = np.random.default_rng(seed)
+    shape = (
+        (spec.height, spec.width)
+        if spec.channels == 1
+        else (spec.height, spec.width, spec.channels)
+    )
+    blobs = []
+    for _ in range(n):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(buffer, "PNG")
+        blobs.append(buffer.getvalue())
+    return blobs
+
+
+def timed(fn, budget: float, min_reps: int = 10, warmup: int = 3) -> list[float]:
+    """Seconds per call of ``fn`` after ``warmup`` calls: at least ``min_reps``, up to ``budget`` s."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + budget
+    while len(times) < min_reps or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if len(times) >= 10_000:
+            break
+    return times
+
+
+def in_process(guard: Guard, blobs: list[bytes], sizes: list[int], budget: float) -> dict:
+    arrays = [decode_image(b, max_pixels=1 << 24) for b in blobs]
+    pool = guard.prepare(arrays)
+    throughput = {}
+    for size in sizes:
+        x = pool[np.arange(size) % len(pool)]
+        times = timed(lambda x=x: guard.predict(x), budget)
+        throughput[size] = size / statistics.median(times)
+    # detector share at batch 256: the detector module alone on precomputed features
+    x256 = pool[np.arange(256) % len(pool)]
+    features, logits = extract_features(guard.model, x256.numpy())
+    f = torch.from_numpy(features).to(guard.device)
+    labels = torch.from_numpy(logits.argmax(1)).to(guard.device)
+
+    def detector_only() -> None:
+        with torch.inference_mode():
+            guard.detector_module(f, labels)
+            if guard.device.type == "cuda":
+                torch.cuda.synchronize()
+
+    detector_time = statistics.median(timed(detector_only, budget))
+    guard_time = statistics.median(timed(lambda: guard.predict(x256), budget))
+    # single image, the per-request work without HTTP: decode + prepare + predict
+    single = timed(
+        lambda: guard.predict_images([decode_image(blobs[0], max_pixels=1 << 24)]),
+        budget,
+        min_reps=20,
+    )
+    return {
+        "throughput": throughput,
+        "detector_share_256": detector_time / guard_time,
+        "detector_ms_256": detector_time * 1000,
+        "guard_ms_256": guard_time * 1000,
+        "single_ms": statistics.median(single) * 1000,
+    }
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("LAPGUARD_") or k == "LAPGUARD_DATA"
+    }
+    env["LAPGUARD_MAX_QUEUE"] = str(max(512, 4 * args.clients))
+    command = [
+        sys.executable, "-m", "training.cli", "serve", "--bundle", str(args.bundle), "--host", "127.0.0.1",
+        "--port", str(port), "--device", args.device, "--max-batch-size", str(args.max_batch_size),
+        "--max-wait-ms", str(args.max_wait_ms), "--log-level", "warning",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(
+                f"the server exited: {process.stderr.read() if process.stderr else ''}"
+            )
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise SystemExit("the server was not ready within 120 s")
+
+
+async def load(
+    url: str, blobs: list[bytes], clients: int, total: int, time_limit: float
+) -> tuple[list[float], float, int]:
+    """``clients`` concurrent loops of single-image requests until ``total`` or ``time_limit``."""
+    latencies: list[float] = []
+    errors = 0
+    issued = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
+
+        async def worker(k: int, deadline: float) -> None:
+            nonlocal issued, errors
+            i = k
+            while issued < total and time.perf_counter() < deadline:
+                issued += 1
+                blob = blobs[i % len(blobs)]
+                i += clients
+                start = time.perf_counter()
+                response = await client.post(
+                    "/v1/predict", files={"files": ("x.png", blob, "image/png")}
+                )
+                if response.status_code == 200:
+                    latencies.append(time.perf_counter() - start)
+                else:
+                    errors += 1
+
+        # warm-up: connections opened, batcher running
+        warm = time.perf_counter() + 10
+        await asyncio.gather(*(worker(k, warm) for k in range(clients)))
+        latencies.clear()
+        issued, errors = 0, 0
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(k, started + time_limit) for k in range(clients)))
+        wall = time.perf_counter() - started
+    return latencies, wall, errors
+
+
+def main() -> None:
+    args = parse_args()
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    guard = Guard.from_bundle(args.bundle, device=args.device)
+    blobs = sample_pngs(guard, 256)
+    print(f"bundle {args.bundle} ({guard.manifest.name if guard.manifest else '?'}) on {guard.device}, "
+          f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs")  # fmt: skip
+    local = in_process(guard, blobs, sizes, args.seconds_per_size)
+    for size, rate in local["throughput"].items():
+        print(f"  in-process batch {size:4d}: {rate:9.1f} images/s")
+    best_size, best = max(local["throughput"].items(), key=lambda kv: kv[1])
+    print(f"in-process best: {best:.1f} images/s at batch {best_size}")
+    print(
+        f"detector share at batch 256: {local['detector_share_256']:.1%} "
+        f"({local['detector_ms_256']:.2f} ms of {local['guard_ms_256']:.2f} ms)  target <= 10%"
+    )
+    print(f"in-process single-image latency (decode+prepare+predict): {local['single_ms']:.2f} ms")
+    del guard
+
+    process, url = start_server(args)
+    try:
+        latencies, wall, errors = asyncio.run(
+            load(url, blobs, args.clients, args.requests, args.time_limit)
+        )
+        metrics = httpx.get(url + "/metrics", timeout=5).text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    if not latencies:
+        raise SystemExit(f"no successful requests ({errors} errors)")
+    rate = len(latencies) / wall
+    p50, p99 = np.percentile(np.asarray(latencies) * 1000, [50, 99])
+    batch_sum = _metric(metrics, "lapguard_batch_size_sum")
+    batch_count = _metric(metrics, "lapguard_batch_size_count")
+    print(
+        f"service: {len(latencies)} requests in {wall:.1f} s with {args.clients} clients "
+        f"({errors} errors), mean micro-batch {batch_sum / max(batch_count, 1):.1f} images"
+    )
+    print(
+        f"service throughput: {rate:.1f} images/s; ratio to in-process best {rate / best:.2f}  target >= 0.8"
+    )
+    print(
+        f"service latency p50 {p50:.2f} ms, p99 {p99:.2f} ms; "
+        f"p50 / in-process single {p50 / local['single_ms']:.2f}  target <= 2"
+    )
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+if __name__ == "__main__":
+    main()

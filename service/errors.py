@@ -1,0 +1,147 @@
+"""Service errors and the ONE place where errors become HTTP responses.
+
+Every error answer has the body ``{"error": {"code": "...", "message": "..."}}`` (DESIGN.md §7):
+lapguard's own errors by class, FastAPI's validation errors (422), Starlette's HTTP errors (404,
+405, ...) and anything unexpected (500, without internals).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from detector.errors import (
+    ArtefactError,
+    ConfigError,
+    InputError,
+    InputTooLargeError,
+    LapguardError,
+    UnsupportedMediaError,
+)
+
+logger = logging.getLogger("lapguard.service")
+
+
+class ServiceError(LapguardError):
+    """Base of the errors only the service raises."""
+
+
+class UnauthorizedError(ServiceError):
+    """Missing or wrong API key."""
+
+
+class ModelNotFoundError(ServiceError):
+    """A v2 route named a model this server does not serve."""
+
+
+class RetryableError(ServiceError):
+    """The request was not run; the same request may succeed after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class OverloadedError(RetryableError):
+    """The queue is full (429)."""
+
+
+class NotReadyError(RetryableError):
+    """The model is not loaded/warmed up yet, or the server is shutting down (503)."""
+
+
+# Most specific first: the first matching class decides status and code.
+_STATUS: list[tuple[type[BaseException], int, str]] = [
+    (UnauthorizedError, 401, "unauthorized"),
+    (ModelNotFoundError, 404, "model_not_found"),
+    (InputTooLargeError, 413, "payload_too_large"),
+    (UnsupportedMediaError, 415, "unsupported_media_type"),
+    (InputError, 400, "invalid_input"),
+    (OverloadedError, 429, "overloaded"),
+    (NotReadyError, 503, "not_ready"),
+    (ArtefactError, 500, "artefact_error"),
+    (ConfigError, 500, "config_error"),
+    (LapguardError, 500, "internal_error"),
+]
+
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "validation_error",
+    429: "overloaded",
+    503: "not_ready",
+}
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"code": code, "message": message}}, status_code=status, headers=headers
+    )
+
+
+def status_of(error: BaseException) -> tuple[int, str]:
+    """HTTP status and error code of a lapguard error."""
+    for cls, status, code in _STATUS:
+        if isinstance(error, cls):
+            return status, code
+    return 500, "internal_error"
+
+
+def lapguard_error_response(error: LapguardError) -> JSONResponse:
+    status, code = status_of(error)
+    headers: dict[str, str] = {}
+    if isinstance(error, RetryableError):
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
+    if isinstance(error, UnauthorizedError):
+        headers["WWW-Authenticate"] = 'Bearer realm="lapguard"'
+    if status >= 500 and status != 503:
+        logger.error("request failed: %s", error, exc_info=error)
+    return error_response(status, code, str(error), headers or None)
+
+
+def validation_message(error: RequestValidationError | ValidationError) -> str:
+    parts = []
+    for item in error.errors()[:10]:
+        loc = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+        parts.append(f"{loc or 'body'}: {item.get('msg', 'invalid')}")
+    return "request does not match the schema: " + "; ".join(parts)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers that give every error the same JSON shape."""
+
+    async def on_lapguard(_: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, LapguardError)
+        return lapguard_error_response(error)
+
+    async def on_validation(_: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, RequestValidationError | ValidationError)
+        return error_response(422, "validation_error", validation_message(error))
+
+    async def on_http(_: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, StarletteHTTPException)
+        code = _HTTP_CODES.get(error.status_code, "http_error")
+        message = error.detail if isinstance(error.detail, str) else str(error.detail)
+        return error_response(error.status_code, code, message, dict(error.headers or {}) or None)
+
+    async def on_unexpected(_: Request, error: Exception) -> JSONResponse:
+        logger.error("unhandled error: %r", error, exc_info=error)
+        return error_response(500, "internal_error", "internal server error; see the server log")
+
+    app.add_exception_handler(LapguardError, on_lapguard)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(ValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,78 @@
+"""Prometheus metrics, one registry per app (so several apps, e.g. in tests, never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_SCORE_BUCKETS = (
+    0.05,
+    0.1,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.6,
+    0.7,
+    0.8,
+    0.9,
+    0.95,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    100.0,
+)
+
+
+class Metrics:
+    """The service's collectors. Flag rate = ``lapguard_flagged_total / lapguard_images_total``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "lapguard_http_requests",
+            "HTTP requests by route, method and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "lapguard_http_request_duration_seconds",
+            "HTTP request latency by route, method and status",
+            ["route", "method", "status"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "lapguard_batch_size", "images per forward pass", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.batch_seconds = Histogram(
+            "lapguard_batch_duration_seconds",
+            "time of one Guard call on a batch",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "lapguard_queue_wait_seconds",
+            "time an image waited before its batch ran",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge("lapguard_queue_images", "images waiting for a batch", registry=r)
+        self.images = Counter("lapguard_images", "images scored", registry=r)
+        self.flagged = Counter("lapguard_flagged", "images flagged as abnormal", registry=r)
+        self.scores = Histogram(
+            "lapguard_score",
+            "abnormality score (higher = more abnormal)",
+            buckets=_SCORE_BUCKETS,
+            registry=r,
+        )
+        self.rejected = Counter(
+            "lapguard_rejected",
+            "requests refused before running, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.ready = Gauge("lapguard_ready", "1 when the model is loaded and warmed up", registry=r)

@@ -1,0 +1,1 @@
+"""HTTP routes, one module per resource: health (operations), predict (v1), v2 (Open Inference Protocol)."""

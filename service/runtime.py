@@ -1,0 +1,234 @@
+"""The serving state of one app: settings, the Guard, the micro-batcher, metrics and readiness.
+
+Routes reach it through :func:`service.deps.get_runtime`. Blocking work (loading the bundle,
+decoding large images, converting images, the Guard itself) runs in worker threads, never on the
+event loop; only small images (:data:`INLINE_PIXELS`) are decoded on the loop, in microseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+import numpy as np
+import torch
+
+from detector.errors import ConfigError, InputError
+from detector.images import decode_image, image_pixels
+from service.batching import MicroBatcher
+from service.errors import NotReadyError
+from service.metrics import Metrics
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from detector.guard import Guard, GuardResult
+    from detector.networks import InputSpec
+
+logger = logging.getLogger("lapguard.service")
+
+#: Requests with at most this many pixels in all are decoded on the event loop (well under 1 ms).
+INLINE_PIXELS = 256 * 256
+
+
+class Runtime:
+    """Owns the Guard and the batcher for the lifetime of the app (see ``app.lifespan``)."""
+
+    def __init__(self, settings: Settings, guard: Guard | None = None) -> None:
+        self.settings = settings
+        self.guard = guard
+        self.metrics = Metrics()
+        self.batcher: MicroBatcher | None = None
+        self.ready = False
+        self.draining = False
+        self.startup_error: BaseException | None = None
+        self._warmup_task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the bundle (a bad one raises and stops start-up), start batching, warm up in the
+        background; ``/readyz`` answers 200 once warm-up is done."""
+        try:
+            guard = (
+                self.guard if self.guard is not None else await anyio.to_thread.run_sync(self._load)
+            )
+        except BaseException as error:
+            self.startup_error = error
+            raise
+        self.guard = guard
+        s = self.settings
+        self.batcher = MicroBatcher(
+            guard.predict,
+            max_batch_size=s.max_batch_size,
+            max_wait_s=s.max_wait_ms / 1000.0,
+            max_queue=s.max_queue,
+            metrics=self.metrics,
+        )
+        self.batcher.start()
+        logger.info(
+            "model loaded",
+            extra={
+                "model": self.model_name,
+                "version": self.model_version,
+                "device": str(guard.device),
+            },
+        )
+        self._warmup_task = asyncio.get_running_loop().create_task(
+            self._warm_up(), name="lapguard-warmup"
+        )
+
+    async def stop(self) -> None:
+        """Stop taking work and finish what is queued (bounded by the graceful timeout)."""
+        self.draining = True
+        self._set_ready(False)
+        if self._warmup_task is not None and not self._warmup_task.done():
+            self._warmup_task.cancel()
+        if self.batcher is not None:
+            # uvicorn has already waited up to the graceful timeout for in-flight requests; what is
+            # left is at most the batch being computed.
+            await self.batcher.close(timeout=min(5.0, self.settings.graceful_timeout_s))
+        logger.info("stopped")
+
+    def _load(self) -> Guard:
+        from detector.guard import Guard
+
+        if self.settings.bundle is None:
+            raise ConfigError("no bundle to serve: pass --bundle DIR or set LAPGUARD_BUNDLE")
+        return Guard.from_bundle(self.settings.bundle, device=self.settings.device)
+
+    async def _warm_up(self) -> None:
+        guard = self.require_guard()
+        if self.settings.warmup:
+            sizes = tuple(sorted({1, self.settings.max_batch_size}))
+            try:
+                await anyio.to_thread.run_sync(lambda: guard.warmup(batch_sizes=sizes))
+            except Exception:
+                logger.exception("warm-up failed; the server stays not ready")
+                return
+        if not self.draining:
+            self._set_ready(True)
+            logger.info("ready", extra={"model": self.model_name})
+
+    def _set_ready(self, ready: bool) -> None:
+        self.ready = ready
+        self.metrics.ready.set(1 if ready else 0)
+
+    # ---- what is served ------------------------------------------------------------------------
+    @property
+    def manifest(self) -> Any:
+        return getattr(self.guard, "manifest", None)
+
+    @property
+    def model_name(self) -> str:
+        if self.settings.model_name:
+            return self.settings.model_name
+        return str(getattr(self.manifest, "name", None) or "lapguard")
+
+    @property
+    def model_version(self) -> str:
+        return str(getattr(self.manifest, "version", None) or "1")
+
+    @property
+    def input_spec(self) -> InputSpec:
+        return self.require_guard().input_spec
+
+    @property
+    def class_names(self) -> list[str]:
+        """The label set, index = label."""
+        names = getattr(self.manifest, "class_names", None) or getattr(
+            self.guard, "class_names", None
+        )
+        return list(names) if names else []
+
+    def check_ready(self) -> Guard:
+        """The Guard, or :class:`NotReadyError` (503) while loading, warming up or draining."""
+        if self.draining:
+            raise NotReadyError(
+                "the server is shutting down; retry on another replica", retry_after=1
+            )
+        if not self.ready or self.guard is None or self.batcher is None:
+            raise NotReadyError("the model is loading or warming up; retry shortly", retry_after=2)
+        return self.guard
+
+    def require_guard(self) -> Guard:
+        if self.guard is None:
+            raise NotReadyError("the model is not loaded yet; retry shortly", retry_after=2)
+        return self.guard
+
+    # ---- scoring -------------------------------------------------------------------------------
+    async def score_encoded(self, blobs: Sequence[bytes], names: Sequence[str]) -> GuardResult:
+        """Decode encoded images, convert them to the input spec, score them in a micro-batch.
+
+        Small images (:data:`INLINE_PIXELS` in all, by their headers) are decoded on the event loop
+        (microseconds) and converted in the batch worker thread; larger ones are decoded and
+        converted in a worker thread first, so only input-sized tensors wait in the queue.
+        (Routes call :meth:`check_ready` first; a request admitted before draining still finishes.)
+        """
+        guard = self.require_guard()
+        batcher = self._batcher()
+        blobs, names = list(blobs), list(names)
+        if sum(image_pixels(blob) for blob in blobs) <= INLINE_PIXELS:
+            arrays = [
+                self._decode(blob, name, guard) for blob, name in zip(blobs, names, strict=True)
+            ]
+            return await batcher.submit(
+                partial(_prepare_named, guard, arrays, names), size=len(arrays)
+            )
+        images = await anyio.to_thread.run_sync(self._decode_and_prepare, guard, blobs, names)
+        return await batcher.submit(images)
+
+    async def score_array(self, array: np.ndarray) -> GuardResult:
+        """Score an ``[N, C, H, W]`` float array in the input spec's value range (converted, and
+        checked for NaN/range, in the batch worker thread)."""
+        guard = self.require_guard()
+        spec = guard.input_spec
+        if array.ndim != 4:
+            raise InputError(
+                f"the input tensor must be [N, C, H, W] = [N, {spec.channels}, {spec.height}, "
+                f"{spec.width}], got shape {list(array.shape)}"
+            )
+        if array.shape[0] == 0:
+            raise InputError("the input tensor holds no images (N = 0)")
+        return await self._batcher().submit(partial(guard.prepare, array), size=int(array.shape[0]))
+
+    def _batcher(self) -> MicroBatcher:
+        if self.batcher is None:
+            raise NotReadyError("the model is not loaded yet; retry shortly", retry_after=2)
+        return self.batcher
+
+    def _decode(self, blob: bytes, name: str, guard: Guard) -> np.ndarray:
+        s = self.settings
+        try:
+            return decode_image(
+                blob,
+                max_pixels=s.max_pixels,
+                formats=s.image_formats,
+                keep_alpha=guard.input_spec.channels == 4,
+            )
+        except InputError as error:
+            raise type(error)(f"{name}: {error}") from error
+
+    def _decode_and_prepare(
+        self, guard: Guard, blobs: list[bytes], names: list[str]
+    ) -> torch.Tensor:
+        """Worker thread, one image at a time: a large decoded image is resized before the next."""
+        return torch.cat(
+            [
+                _prepare_named(guard, [self._decode(b, n, guard)], [n])
+                for b, n in zip(blobs, names, strict=True)
+            ]
+        )
+
+
+def _prepare_named(guard: Guard, arrays: list[np.ndarray], names: list[str]) -> torch.Tensor:
+    """``guard.prepare`` image by image, naming the image in an error."""
+    prepared = []
+    for array, name in zip(arrays, names, strict=True):
+        try:
+            prepared.append(guard.prepare([array]))
+        except InputError as error:
+            raise type(error)(f"{name}: {error}") from error
+    return prepared[0] if len(prepared) == 1 else torch.cat(prepared)

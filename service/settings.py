@@ -1,0 +1,93 @@
+"""Service settings: ``LAPGUARD_*`` environment variables, overridden by CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from detector.errors import ConfigError
+from detector.images import DEFAULT_FORMATS, DEFAULT_MAX_PIXELS
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+
+class Settings(BaseSettings):
+    """Everything the server can be told. Environment: ``LAPGUARD_<FIELD>`` (e.g. ``LAPGUARD_PORT``)."""
+
+    model_config = SettingsConfigDict(env_prefix="LAPGUARD_", extra="ignore", frozen=True)
+
+    bundle: Path | None = Field(default=None, description="bundle directory to serve")
+    host: str = Field(
+        default="127.0.0.1", description="interface to bind; 0.0.0.0 only inside a container"
+    )
+    port: int = Field(default=8000, ge=0, le=65535)
+    device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    model_name: str | None = Field(
+        default=None, description="name served under /v2/models (default: the bundle's)"
+    )
+
+    # Micro-batching
+    max_batch_size: int = Field(
+        default=64, ge=1, le=4096, description="most images per forward pass"
+    )
+    max_wait_ms: float = Field(
+        default=2.0, ge=0, le=1000, description="longest wait to fill a batch"
+    )
+    max_queue: int = Field(
+        default=512, ge=1, description="most images waiting; more are answered 429"
+    )
+
+    # Request limits
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="largest request body"
+    )
+    max_images_per_request: int = Field(default=64, ge=1)
+    max_pixels: int = Field(
+        default=DEFAULT_MAX_PIXELS, ge=1, description="largest image (width x height)"
+    )
+    image_formats: tuple[str, ...] = DEFAULT_FORMATS
+
+    # Security and operations
+    api_key: SecretStr | None = Field(
+        default=None, description="required on inference routes when set"
+    )
+    log_level: LogLevel = "info"
+    graceful_timeout_s: float = Field(
+        default=20.0, ge=0, description="time to finish in-flight requests on stop"
+    )
+    warmup: bool = Field(default=True, description="run warm-up forwards before reporting ready")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, value: Any) -> Any:
+        """An empty LAPGUARD_API_KEY (e.g. compose's ``${LAPGUARD_API_KEY:-}``) means no key."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _queue_holds_a_request(self) -> Settings:
+        if self.max_queue < self.max_images_per_request:
+            raise ValueError(
+                f"max_queue ({self.max_queue}) must be at least max_images_per_request "
+                f"({self.max_images_per_request}), or a full request could never be queued"
+            )
+        return self
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment with ``overrides`` (CLI flags; None means 'not given') on top."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
+            for e in error.errors()
+        )
+        raise ConfigError(
+            f"invalid service settings ({problems}); check the LAPGUARD_* variables and flags"
+        ) from error
