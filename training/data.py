@@ -190,14 +190,15 @@ def train_val_split(dataset: Dataset, val_fraction: float, seed: int) -> tuple[S
 
 
 def subset(dataset: Dataset, n: int | None, seed: int) -> Dataset:
-    """A seeded random subset of ``n`` items (the whole set when n is None or too large)."""
-    total = len(dataset)  # type: ignore[arg-type]
-    if n is None or n >= total:
+    """The first ``n`` items of a seeded random order (all of them, in that order, when n is too
+    large), so every n gives a prefix of the same order; ``n=None`` keeps the data set as it is."""
+    if n is None:
         return dataset
     if n <= 0:
         raise ConfigError(f"subset size must be positive, got {n}")
+    total = len(dataset)  # type: ignore[arg-type]
     generator = torch.Generator().manual_seed(seed)
-    return Subset(dataset, torch.randperm(total, generator=generator)[:n].tolist())
+    return Subset(dataset, torch.randperm(total, generator=generator)[: min(n, total)].tolist())
 
 
 def to_arrays(dataset: Dataset, n: int | None = None, *, seed: int = 0, batch_size: int = 1000) -> tuple[np.ndarray, np.ndarray]:

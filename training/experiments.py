@@ -203,35 +203,26 @@ def run_protocols(
         for make_runner in runners:
             runner = make_runner()
 
-            def on_attack(train_key: str) -> tuple[Samples, Samples]:
-                abnormal = split.train(attacks[train_key])
-                clean_side = train_clean_all.take(np.isin(train_clean_all.indices, abnormal.indices)) if noisy_copies is None else train_clean_all
-                return clean_side, abnormal
-
-            def test_pair(test_key: str) -> tuple[Samples, Samples]:
-                abnormal = split.test(attacks[test_key])
-                return test_clean_all.take(np.isin(test_clean_all.indices, abnormal.indices)), abnormal
-
             for key in seen:
-                train_clean, train_abnormal = on_attack(key)
-                test_clean, test_abnormal = test_pair(key)
+                train_clean, train_abnormal = _paired(train_clean_all, split.train(attacks[key]))
+                test_clean, test_abnormal = _paired(test_clean_all, split.test(attacks[key]))
                 outcome = _fit_and_evaluate(runner, train_clean, train_abnormal, calibration_clean, test_clean, test_abnormal, seed, target_fpr)
                 record(runner.name, "seen", key, key, outcome)
                 bar.update()
             if unseen_train:
-                train_clean, train_abnormal = on_attack(unseen_train)
+                train_clean, train_abnormal = _paired(train_clean_all, split.train(attacks[unseen_train]))
                 runner.fit(train_clean, train_abnormal, seed)
                 for key in attacks:
                     if key == unseen_train:
                         continue
-                    test_clean, test_abnormal = test_pair(key)
+                    test_clean, test_abnormal = _paired(test_clean_all, split.test(attacks[key]))
                     outcome = _evaluate_fitted(runner, calibration_clean, test_clean, test_abnormal, target_fpr)
                     record(runner.name, "unseen", unseen_train, key, outcome)
                 bar.update()
             for train_key in ood_train:
                 source = attacks[train_key] if train_key in attacks else ood_sets[train_key]
                 if train_key in attacks:
-                    train_clean, train_abnormal = on_attack(train_key)
+                    train_clean, train_abnormal = _paired(train_clean_all, split.train(attacks[train_key]))
                 else:
                     train_abnormal = _positional_half(source, seed, first=True)
                     train_clean, train_abnormal = _balanced(train_clean_all, train_abnormal, rng)
@@ -246,6 +237,11 @@ def run_protocols(
                 bar.update()
     bar.close()
     return list(records.values())
+
+
+def _paired(clean: Samples, abnormal: Samples) -> tuple[Samples, Samples]:
+    """The clean counterparts of an attacked set's source images (the seed's balanced pairs)."""
+    return clean.take(np.isin(clean.indices, abnormal.indices)), abnormal
 
 
 def _positional_half(samples: Samples, seed: int, *, first: bool) -> Samples:
