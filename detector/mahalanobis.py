@@ -295,50 +295,56 @@ class MahalanobisDetector(BaseEstimator):
             n_estimators=self.n_estimators, random_state=self.random_state, n_jobs=self.n_jobs
         )
 
+    def _magnitudes(self) -> list[float]:
+        magnitudes = [float(m) for m in self.magnitudes]
+        if not magnitudes or any(m < 0 for m in magnitudes):
+            raise ConfigError(f"magnitudes must be a non-empty list of values >= 0, got {self.magnitudes}")
+        return magnitudes
+
+    def features_by_magnitude(self, model: nn.Module, x: np.ndarray) -> dict[float, np.ndarray]:
+        """Per-layer Gaussian scores [N, L] of ``x`` at every one of ``magnitudes`` (one gradient
+        pass per batch, shared by all magnitudes): the input of :meth:`fit_features`, computed once
+        per image set when several forests are fitted on the same images."""
+        if not hasattr(self, "means_"):
+            raise ConfigError("call fit_clean(model, clean_train_images, labels) first")
+        x = check_images(x)
+        self._check_network(model, x)
+        return self._features_for(model, x, self._magnitudes())
+
     def fit(self, model: nn.Module, x: np.ndarray, is_abnormal: np.ndarray) -> MahalanobisDetector:
         """Choose the magnitude on a validation split of (x, is_abnormal), then fit the forest on all."""
         if not hasattr(self, "means_"):
             raise ConfigError("call fit_clean(model, clean_train_images, labels) before fit")
-        x = check_images(x)
-        y = check_binary_labels(is_abnormal, len(x))
-        self._check_network(model, x)
-        magnitudes = [float(m) for m in self.magnitudes]
-        if not magnitudes or any(m < 0 for m in magnitudes):
-            raise ConfigError(
-                f"magnitudes must be a non-empty list of values >= 0, got {self.magnitudes}"
-            )
+        return self.fit_features(self.features_by_magnitude(model, x), is_abnormal)
+
+    def fit_features(self, features: dict[float, np.ndarray], is_abnormal: np.ndarray) -> MahalanobisDetector:
+        """:meth:`fit` from precomputed :meth:`features_by_magnitude`: the magnitude with the best
+        validation AUROC (on at most ``selection_samples`` rows of this training data), then the
+        forest on every row at that magnitude."""
+        check_fitted(self)
+        magnitudes = self._magnitudes()
+        missing = [m for m in magnitudes if m not in features]
+        if missing:
+            raise InputError(f"features for magnitudes {missing} are missing (have {sorted(features)})")
+        n = len(features[magnitudes[0]])
+        y = check_binary_labels(is_abnormal, n)
         self.selection_auroc_: dict[float, float] = {}
         if len(magnitudes) == 1:
             self.magnitude_ = magnitudes[0]
         else:
-            self.magnitude_ = self._select_magnitude(model, x, y, magnitudes)
-        features = self._features_for(model, x, [self.magnitude_])[self.magnitude_]
-        self.forest_ = self._forest().fit(features, y)
-        self.n_features_in_ = features.shape[1]
+            index = np.arange(n)
+            if self.selection_samples is not None and n > self.selection_samples:
+                index, _ = train_test_split(index, train_size=self.selection_samples, stratify=y, random_state=self.random_state)
+            train, val = train_test_split(index, test_size=self.validation_fraction, stratify=y[index], random_state=self.random_state)
+            for magnitude in magnitudes:
+                f = check_features(features[magnitude])
+                forest = self._forest().fit(f[train], y[train])
+                self.selection_auroc_[magnitude] = auroc(y[val], vote_fraction(forest, f[val]))
+            self.magnitude_ = max(magnitudes, key=lambda m: self.selection_auroc_[m])  # first of the best
+        chosen = check_features(features[self.magnitude_])
+        self.forest_ = self._forest().fit(chosen, y)
+        self.n_features_in_ = chosen.shape[1]
         return self
-
-    def _select_magnitude(
-        self, model: nn.Module, x: np.ndarray, y: np.ndarray, magnitudes: list[float]
-    ) -> float:
-        index = np.arange(len(x))
-        if self.selection_samples is not None and len(x) > self.selection_samples:
-            index, _ = train_test_split(
-                index, train_size=self.selection_samples, stratify=y, random_state=self.random_state
-            )
-        train, val = train_test_split(
-            index,
-            test_size=self.validation_fraction,
-            stratify=y[index],
-            random_state=self.random_state,
-        )
-        features = self._features_for(model, x[index], magnitudes)
-        position = {i: p for p, i in enumerate(index)}
-        train_rows = np.array([position[i] for i in train])
-        val_rows = np.array([position[i] for i in val])
-        for magnitude, f in features.items():
-            forest = self._forest().fit(f[train_rows], y[train])
-            self.selection_auroc_[magnitude] = auroc(y[val], vote_fraction(forest, f[val_rows]))
-        return max(magnitudes, key=lambda m: self.selection_auroc_[m])  # first of the best
 
     def _check_forest(self) -> None:
         check_fitted(self)

@@ -33,7 +33,7 @@ def test_results_json_follows_the_design_contract(smoke_run) -> None:
     detection_keys = {"model", "detector", "setting", "train_attack", "test_attack", "accuracy", "auroc", "tpr", "fpr",
                       "successful_attack_detection_rate", "fpr_at_95_tpr", "runs", "accuracy_std"}
     rows = results["detection"]
-    assert {(r["model"], r["detector"]) for r in rows} == {(m, d) for m in ("vanilla", "lap") for d in ("transport", "quantile")}
+    assert {(r["model"], r["detector"]) for r in rows} == {(m, d) for m in ("vanilla", "lap") for d in ("transport", "mahalanobis", "quantile")}
     for row in rows:
         assert detection_keys <= set(row) and row["runs"] == 2 and 0 <= row["accuracy"] <= 1
     seen_transport = [r for r in rows if r["detector"] == "transport" and r["setting"] == "seen"]
@@ -41,7 +41,8 @@ def test_results_json_follows_the_design_contract(smoke_run) -> None:
     ood_keys = {"model", "detector", "train_set", "test_set", "accuracy", "auroc", "fpr_at_95_tpr"}
     assert {r["test_set"] for r in results["ood"]} == {"digits", "noise"}
     assert all(ood_keys <= set(r) for r in results["ood"])
-    assert results["timing"]["feature_extraction_seconds"]["transport"] > 0
+    timing = results["timing"]["feature_extraction_seconds"]
+    assert timing["transport"] > 0 and timing["mahalanobis"] > 0
 
 
 def test_report_and_figures(smoke_run) -> None:

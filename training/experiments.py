@@ -39,11 +39,12 @@ class Samples:
     predicted: np.ndarray  # the network's predicted labels [N]
     indices: np.ndarray  # source test-image index per row (OOD sets: their own 0..N-1)
     success: np.ndarray | None = None  # attack success per row (adversarial sets only)
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # other detectors' row-aligned features
 
     def take(self, mask: np.ndarray) -> Samples:
         return Samples(
             self.name, self.images[mask], self.features[mask], self.predicted[mask], self.indices[mask],
-            None if self.success is None else self.success[mask],
+            None if self.success is None else self.success[mask], {k: v[mask] for k, v in self.extra.items()},
         )
 
     def __len__(self) -> int:
@@ -54,6 +55,7 @@ def concat(parts: Sequence[Samples], name: str = "mixed") -> Samples:
     success = None
     if all(p.success is not None for p in parts):
         success = np.concatenate([p.success for p in parts])  # type: ignore[misc]
+    shared = set.intersection(*(set(p.extra) for p in parts)) if parts else set()
     return Samples(
         name,
         np.concatenate([p.images for p in parts]),
@@ -61,6 +63,7 @@ def concat(parts: Sequence[Samples], name: str = "mixed") -> Samples:
         np.concatenate([p.predicted for p in parts]),
         np.concatenate([p.indices for p in parts]),
         success,
+        {k: np.concatenate([p.extra[k] for p in parts]) for k in shared},
     )
 
 

@@ -133,7 +133,7 @@ def collect_samples(
     for ood_name in config.ood_test:
         images = load_ood(ood_name, spec, config.ood_n, seed=0, root=root)
         f, logits, _, _ = _cached_features(feature_dir / f"ood-{ood_name}.npz", f"ood-{ood_name}-{config.ood_n}", model, images, device)
-        ood[ood_name] = Samples(ood_name, images, f, logits.argmax(1), np.arange(len(images)))
+        ood[ood_name] = Samples(f"ood-{ood_name}", images, f, logits.argmax(1), np.arange(len(images)))
     return clean, attacks, ood, timing, model
 
 
@@ -164,8 +164,10 @@ def evaluate(config: PipelineConfig, run: Path, *, root: Path | None = None, pro
 
             # Class means and tied covariance from clean training images, shared by every fit.
             clean_x, clean_y = to_arrays(load_dataset(config.dataset, "train", root=root), config.mahalanobis_clean_n, seed=1)
-            statistics = MahalanobisDetector().fit_clean(model, clean_x, clean_y)
-        factories = runner_factories(config.detectors, model=model, mahalanobis_statistics=statistics)
+            statistics = MahalanobisDetector(magnitudes=tuple(config.mahalanobis_magnitudes)).fit_clean(model, clean_x, clean_y)
+            for samples in (clean, *attacks.values(), *ood.values()):
+                _add_mahalanobis_features(run / "features" / name / "mahalanobis" / f"{samples.name}.npz", statistics, model, samples)
+        factories = runner_factories(config.detectors, mahalanobis_statistics=statistics)
         noisy = _noisy_copies(clean, model, 0.1, str(networks.resolve_device(config.device))) if config.noisy_copies else None
         records = run_protocols(
             model=name, clean=clean, attacks=attacks, ood_sets=ood, runners=factories, seen=config.seen_keys,
@@ -179,6 +181,24 @@ def evaluate(config: PipelineConfig, run: Path, *, root: Path | None = None, pro
     result = {"detection": detection, "ood": ood_rows, "timing": timing}
     path.write_text(json.dumps(result, indent=2))
     return result
+
+
+def _add_mahalanobis_features(path: Path, statistics: Any, model: torch.nn.Module, samples: Samples) -> None:
+    """Per-magnitude Mahalanobis features of a sample set, computed once and cached on disk."""
+    from training.runners import mahalanobis_key
+
+    keys = [mahalanobis_key(m) for m in statistics.magnitudes]
+    if path.is_file():
+        with np.load(path, allow_pickle=False) as cached:
+            if all(k in cached for k in keys) and len(cached[keys[0]]) == len(samples):
+                samples.extra.update({k: cached[k] for k in keys})
+                return
+    features = statistics.features_by_magnitude(model, samples.images)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    samples.extra.update({mahalanobis_key(m): f for m, f in features.items()})
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **{k: samples.extra[k] for k in keys})
+    tmp.replace(path)
 
 
 def _feature_timing(config: PipelineConfig, model: torch.nn.Module, clean: Samples, statistics: Any, n: int = 1000) -> dict[str, float]:

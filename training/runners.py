@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from torch import nn
 
 from detector.forest import TransportDetector
 from detector.mahalanobis import MahalanobisDetector
@@ -62,22 +61,33 @@ class QuantileRunner:
         return self.detector.score(samples.features)
 
 
+def mahalanobis_key(magnitude: float) -> str:
+    """Name of the precomputed Mahalanobis features at ``magnitude`` in ``Samples.extra``."""
+    return f"mahalanobis@{magnitude:g}"
+
+
 class MahalanobisRunner:
+    """Reads per-magnitude Mahalanobis features precomputed once per image set (``Samples.extra``):
+    each fit only chooses the magnitude on its training side and grows a forest."""
+
     name = "mahalanobis"
     default_threshold: float | None = VOTE_THRESHOLD
 
-    def __init__(self, model: nn.Module, statistics: MahalanobisDetector) -> None:
-        self.model = model
+    def __init__(self, statistics: MahalanobisDetector) -> None:
         self.statistics = statistics  # fitted with fit_clean on clean training images, shared across fits
         self.detector: MahalanobisDetector | None = None
 
     def fit(self, clean: Samples, abnormal: Samples, seed: int) -> None:
-        detector = self.statistics.copy_statistics(random_state=seed)
-        self.detector = detector.fit(self.model, np.concatenate([clean.images, abnormal.images]), _labels(clean, abnormal))
+        detector = self.statistics.copy_statistics(random_state=seed, n_jobs=-1)
+        features = {
+            float(m): np.concatenate([clean.extra[mahalanobis_key(m)], abnormal.extra[mahalanobis_key(m)]])
+            for m in detector.magnitudes
+        }
+        self.detector = detector.fit_features(features, _labels(clean, abnormal))
 
     def score(self, samples: Samples) -> np.ndarray:
         assert self.detector is not None, "fit first"
-        return self.detector.score(self.model, samples.images)
+        return self.detector.score_features(samples.extra[mahalanobis_key(self.detector.magnitude_)])
 
 
 class NSSRunner:
@@ -95,9 +105,7 @@ class NSSRunner:
         return self.detector.score(samples.images)
 
 
-def runner_factories(
-    names: list[str], *, model: nn.Module, mahalanobis_statistics: MahalanobisDetector | None = None
-) -> list[Callable[[], DetectorRunner]]:
+def runner_factories(names: list[str], *, mahalanobis_statistics: MahalanobisDetector | None = None) -> list[Callable[[], DetectorRunner]]:
     """One factory per detector name; Mahalanobis needs statistics from ``fit_clean`` (built once)."""
     factories: list[Callable[[], DetectorRunner]] = []
     for name in names:
@@ -110,7 +118,7 @@ def runner_factories(
         elif name == "mahalanobis":
             if mahalanobis_statistics is None:
                 raise ValueError("the mahalanobis runner needs statistics fitted with MahalanobisDetector.fit_clean")
-            factories.append(lambda s=mahalanobis_statistics: MahalanobisRunner(model, s))
+            factories.append(lambda s=mahalanobis_statistics: MahalanobisRunner(s))
         else:
             raise ValueError(f"unknown detector {name!r}")
     return factories

@@ -41,6 +41,8 @@ class PipelineConfig(BaseModel):
     test_fraction: float = Field(0.1, gt=0, lt=1)
     noisy_copies: bool = False  # add uniformly noised clean copies (labelled clean) to detector training
     mahalanobis_clean_n: int = Field(5000, ge=100)  # training images for class means and covariance
+    # Input pre-processing magnitudes tried (chosen on the training side); Lee et al.'s list by default.
+    mahalanobis_magnitudes: list[float] = Field(default_factory=lambda: [0.0, 0.0005, 0.001, 0.0014, 0.002, 0.005, 0.01])
     target_fpr: float = Field(0.05, gt=0, lt=1)
     deploy_model: str = "lap"
     deploy_attacks: list[str] | None = None  # attack keys the deployed detector is trained on (default: all)
@@ -78,12 +80,13 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         name="smoke",
         models={"vanilla": "smoke-vanilla", "lap": "smoke-lap"},
         attacks=[AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=600)],
-        detectors=["transport", "quantile"],
+        detectors=["transport", "mahalanobis", "quantile"],
         ood_train=["fgm-eps0.1"],
         ood_n=200,
         seeds=2,
         test_fraction=0.2,
         mahalanobis_clean_n=500,
+        mahalanobis_magnitudes=[0.0, 0.001],
         not_run=[{"attack": a, "reason": "the smoke preset runs FGM only"} for a in ("apgd", "bim", "cw", "deepfool", "hsj", "boundary", "autoattack")],
     ),
     "quick": PipelineConfig(
@@ -103,6 +106,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         ood_train=["fgm-eps0.1", "cw"],
         ood_n=1000,
         seeds=5,
+        mahalanobis_magnitudes=[0.0, 0.001, 0.005],
         deploy_attacks=["fgm-eps0.1", "bim", "apgd", "cw", "deepfool"],
         not_run=_CPU_NOT_RUN,
     ),
