@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -86,11 +87,284 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 # ---- attack (issue: attack generation) -------------------------------------------------------
-# ---- fit / evaluate / report / pipeline (issue: detectors and evaluation) ---------------------
-# ---- bundle / serve (issue: detection service) -----------------------------------------------
+def _add_attack(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "attack", help="generate (or load cached) adversarial sets against a run's networks"
+    )
+    p.add_argument("--run", type=Path, help="run directory holding models/<name>/")
+    p.add_argument("--attack", help="attack name (see --list)")
+    p.add_argument(
+        "--n",
+        type=int,
+        default=1000,
+        help="first N images of a seeded order of the split (default 1000)",
+    )
+    p.add_argument("--eps", type=float, default=None, help="override the attack's eps")
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a parameter (value read as JSON, else as a string); repeatable",
+    )
+    p.add_argument(
+        "--split", default="test", choices=["train", "test"], help="data split (default test)"
+    )
+    p.add_argument(
+        "--model", default=None, help="attack only models/<MODEL> (default: every network)"
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="worker processes (useful for hsj/boundary)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="images per batch (default per attack)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="attack seed (default 0)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--root", type=Path, default=None, help="data root")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--list", action="store_true", help="print the registered attacks with their defaults"
+    )
+    p.set_defaults(handler=_run_attack)
+
+
+def _attack_params(pairs: Sequence[str], eps: float | None) -> dict[str, object]:
+    from detector.errors import ConfigError
+
+    params: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--param expects KEY=VALUE, got {pair!r}")
+        try:
+            params[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[key.strip()] = raw
+    if eps is not None:
+        params["eps"] = eps
+    return params
+
+
+def _run_attack(args: argparse.Namespace) -> int:
+    from detector.errors import ConfigError
+    from training.adversarial import attack_run
+    from training.attacks import attack_defaults, get_attack_spec, list_attacks
+
+    if args.list:
+        for name in list_attacks():
+            spec = get_attack_spec(name)
+            defaults = " ".join(f"{k}={v}" for k, v in attack_defaults(name).items())
+            print(f"{name:11s} {spec.kind:10s} {spec.summary}\n{'':11s} {defaults}")
+        return 0
+    if args.run is None or args.attack is None:
+        raise ConfigError("attack needs --run DIR and --attack NAME (see --list)")
+    sets = attack_run(
+        args.run,
+        args.attack,
+        _attack_params(args.param, args.eps),
+        n=args.n,
+        split=args.split,
+        model=args.model,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        device=args.device,
+        workers=args.workers,
+        root=args.root,
+        progress=not args.no_progress,
+    )
+    header = (
+        "model",
+        "attack",
+        "n",
+        "success",
+        "success|correct",
+        "median L2",
+        "median Linf",
+        "s/image",
+        "set",
+    )
+    rows = []
+    for name, adv in sets.items():
+        s = adv.summary()
+        rows.append(
+            (
+                name,
+                args.attack,
+                str(len(adv)),
+                f"{s['success_rate']:.3f}",
+                f"{s['success_rate_on_correct']:.3f}",
+                f"{s['median_l2']:.4f}",
+                f"{s['median_linf']:.4f}",
+                f"{s['seconds_per_image']:.4f}",
+                f"{adv.path}{' (cached)' if adv.from_cache else ''}",
+            )
+        )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print("(median L2/Linf over successful samples; s/image = generation wall time / n)")
+    return 0
+
+
+# ---- pipeline / fit / evaluate / report / bundle ------------------------------------------------
+def _add_pipeline(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pipeline", help="train -> attack -> evaluate -> fit -> report -> bundle, cached and resumable")
+    p.add_argument("--preset", help="smoke, quick, ... (see --list-presets)")
+    p.add_argument("--out", type=Path, help="run directory (default runs/<preset>)")
+    p.add_argument("--root", type=Path, default=None, help="data root")
+    p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--list-presets", action="store_true", help="print the pipeline presets and exit")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=_run_pipeline)
+
+
+def _run_pipeline(args: argparse.Namespace) -> int:
+    from training.presets.pipelines import PIPELINE_PRESETS, get_pipeline_preset
+
+    if args.list_presets:
+        for name, preset in PIPELINE_PRESETS.items():
+            attacks = ", ".join(f"{a.key}(n={a.n})" for a in preset.attacks)
+            print(f"{name:8s} networks={list(preset.models.values())} detectors={preset.detectors} attacks: {attacks}")
+        return 0
+    if not args.preset:
+        raise LapguardError("pipeline needs --preset NAME (see --list-presets)")
+    from training.pipeline import run_pipeline
+
+    config = get_pipeline_preset(args.preset)
+    if args.device:
+        config = config.model_copy(update={"device": args.device})
+    run = args.out or Path("runs") / config.name
+    started = time.perf_counter()
+    results = run_pipeline(config, run, root=args.root, progress=not args.no_progress)
+    print(f"pipeline {config.name} finished in {time.perf_counter() - started:.0f}s: {run / 'report.md'}, bundle in {run / 'bundle'}")
+    for name, model in results["models"].items():
+        print(f"  {name}: test accuracy {model['test_accuracy']:.4f}")
+    return 0
+
+
+def _add_run_step(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_text)
+    p.add_argument("--run", type=Path, required=True, help="pipeline run directory")
+    p.add_argument("--root", type=Path, default=None, help="data root")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _add_steps(sub: argparse._SubParsersAction) -> None:
+    p = _add_run_step(sub, "fit", "fit the deployable detector of a run and calibrate its threshold")
+    p.add_argument("--detector", default="transport", choices=["transport", "mahalanobis", "nss", "quantile"])
+    p.set_defaults(handler=_run_fit)
+    _add_run_step(sub, "evaluate", "run the seen/unseen/OOD detection protocols of a run").set_defaults(handler=_run_evaluate)
+    _add_run_step(sub, "report", "write report.md, figures and results.json of a run").set_defaults(handler=_run_report)
+    p = _add_run_step(sub, "bundle", "write the deployable bundle of a run")
+    p.add_argument("--out", type=Path, default=None, help="bundle directory (default RUN/bundle)")
+    p.set_defaults(handler=_run_bundle)
+
+
+def _run_fit(args: argparse.Namespace) -> int:
+    from training.pipeline import fit_deployable, read_pipeline_config
+
+    if args.detector != "transport":
+        raise LapguardError(
+            f"{args.detector} is evaluated by `lapguard evaluate`; the deployable detector is transport"
+        )
+    out = fit_deployable(read_pipeline_config(args.run), args.run, root=args.root, progress=not args.no_progress)
+    print(json.dumps(json.loads((out / "detector.json").read_text())["calibration"], indent=2))
+    return 0
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    from training.pipeline import evaluate, read_pipeline_config
+
+    result = evaluate(read_pipeline_config(args.run), args.run, root=args.root, progress=not args.no_progress)
+    for row in result["detection"]:
+        print(f"{row['model']:8s} {row['detector']:12s} {row['setting']:7s} {row['train_attack']:>12s} -> {row['test_attack']:12s} "
+              f"accuracy {row['accuracy']:.4f} ± {row['accuracy_std']:.4f}  auroc {row['auroc']:.4f}")
+    return 0
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from training.pipeline import generate_attacks, read_pipeline_config, write_results
+    from training.report import write_report
+
+    config = read_pipeline_config(args.run)
+    write_results(config, args.run, generate_attacks(config, args.run, root=args.root, progress=not args.no_progress))
+    print(write_report(args.run))
+    return 0
+
+
+def _run_bundle(args: argparse.Namespace) -> int:
+    from training.pipeline import write_run_bundle
+
+    print(write_run_bundle(args.run, args.out))
+    return 0
+
+
+# ---- demo ------------------------------------------------------------------------------------
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run (or reuse) the quick pipeline, then serve its bundle on 127.0.0.1")
+    p.add_argument("--preset", default="quick", help="pipeline preset (default quick)")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default runs/<preset>)")
+    p.add_argument("--root", type=Path, default=None, help="data root")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--no-serve", action="store_true", help="prepare everything, print the commands, do not serve")
+    p.set_defaults(handler=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from training.demo import write_demo_samples
+    from training.pipeline import run_pipeline
+    from training.presets.pipelines import get_pipeline_preset
+
+    config = get_pipeline_preset(args.preset)
+    run = args.out or Path("runs") / config.name
+    run_pipeline(config, run, root=args.root)
+    samples = write_demo_samples(config, run, run / "demo", root=args.root)
+    url = f"http://127.0.0.1:{args.port}"
+    print(f"\nreport: {run / 'report.md'}\nbundle: {run / 'bundle'}\n\nOnce the server says it is ready, try:")
+    for kind, path in samples.items():
+        print(f"  curl -s -F files=@{path} {url}/v1/predict    # {kind} image")
+    print(f"  curl -s {url}/readyz;  curl -s {url}/metrics | head\n")
+    if args.no_serve:
+        return 0
+    from service.server import serve
+    from service.settings import load_settings
+
+    serve(load_settings(bundle=run / "bundle", host="127.0.0.1", port=args.port))
+    return 0
+
+
+# ---- serve (issue: detection service) --------------------------------------------------------
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a bundle over HTTP: /v1/predict, KServe v2, /metrics",
+        epilog="Every setting also reads LAPGUARD_<NAME> (e.g. LAPGUARD_API_KEY, LAPGUARD_MAX_BODY_BYTES).",
+    )
+    p.add_argument("--bundle", type=Path, default=None, help="bundle directory (default $LAPGUARD_BUNDLE)")
+    p.add_argument("--host", default=None, help="interface (default $LAPGUARD_HOST or 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default $LAPGUARD_PORT or 8000)")
+    p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N (default auto)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="most images per forward pass")
+    p.add_argument("--max-wait-ms", type=float, default=None, help="longest wait to fill a batch")
+    p.add_argument("--max-queue", type=int, default=None, help="most images waiting before 429")
+    p.add_argument("--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from service.server import serve
+    from service.settings import load_settings
+
+    flags = ("bundle", "host", "port", "device", "max_batch_size", "max_wait_ms", "max_queue", "log_level")
+    serve(load_settings(**{name: getattr(args, name) for name in flags}))
+    return 0
+
+
 # ---- score (issue: batch scoring) -------------------------------------------------------------
 
-PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_add_data, _add_train]
+PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_add_data, _add_train, _add_attack, _add_pipeline, _add_steps, _add_demo, _add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
