@@ -101,6 +101,9 @@ class NetworkConfig(BaseModel):
 class Normalize(nn.Module):
     """(x - mean) / std per channel, with the constants stored as buffers (they travel with the weights)."""
 
+    mean: torch.Tensor
+    std: torch.Tensor
+
     def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
         self.register_buffer("mean", torch.tensor(list(mean), dtype=torch.float32).view(1, -1, 1, 1))

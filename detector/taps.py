@@ -27,10 +27,8 @@ def default_tap_names(model: nn.Module) -> list[str]:
     if callable(tap_names):
         names = tap_names()
         return list(names)
-    try:
-        from torchvision.models.resnet import BasicBlock, Bottleneck
-    except ImportError:  # pragma: no cover - torchvision is a dependency
-        BasicBlock = Bottleneck = ()  # type: ignore[assignment,misc]
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
     names = []
     for name, module in model.named_modules():
         if isinstance(module, BasicBlock):
