@@ -7,11 +7,19 @@ Output directory (a saved network, loadable by ``detector.networks.load``)::
     metrics.jsonl, steps.jsonl          per-epoch metrics and per-step loss terms
     training_curve.png
     checkpoint.safetensors + checkpoint.json   model + optimizer state after the last epoch
+
+Several processes (``torchrun --nproc_per_node=K -m training.cli train ...``, WORLD_SIZE > 1):
+DistributedDataParallel over a process group (nccl on CUDA, gloo on CPU), each rank on its
+share of the same seeded per-epoch order (DistributedSampler, batch size / K per rank, so a
+step sees the single-process batch); the LAP multiplier follows the loss averaged over the
+ranks; every rank resumes from the checkpoint and only rank 0 writes files.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import time
 from collections.abc import Iterable
@@ -21,9 +29,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
 from tqdm.auto import tqdm
 
 from detector import networks
@@ -44,6 +55,34 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _env_rank() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them; (0, 1) for a single process."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _init_distributed(device: torch.device) -> torch.device:
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU); this rank's device."""
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    """A scalar averaged over the ranks (itself for a single process)."""
+    if not _distributed():
+        return value.item()
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 def _augmentation(x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +115,8 @@ def train_one_epoch(
     totals = {"loss": 0.0, "task_loss": 0.0, "transport": 0.0, "correct": 0.0, "count": 0.0}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp and device.type == "cuda" else nullcontext()
     bar = tqdm(loader, desc=description, leave=False, disable=not progress, dynamic_ncols=True)
-    with ResidualTaps(model) as taps:
+    network = model.module if isinstance(model, DistributedDataParallel) else model
+    with ResidualTaps(network) as taps:
         for batch_index, (x, y) in enumerate(bar):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if augment:
@@ -90,7 +130,7 @@ def train_one_epoch(
             if grad_clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             optimizer.step()
-            task = terms.task.item()
+            task = _mean_over_ranks(terms.task)
             if objective == "lap":
                 multiplier.step(task)
             n = y.shape[0]
@@ -104,6 +144,10 @@ def train_one_epoch(
                     {"step": batch_index, "task_loss": task, "transport": terms.transport.item(), "lambda": multiplier.value}
                 )
             bar.set_postfix(loss=f"{task:.3f}", C=f"{terms.transport.item():.3f}", lam=f"{multiplier.value:.1f}")
+    if _distributed():  # sums over every rank's share
+        summed = torch.tensor(list(totals.values()), dtype=torch.float64, device=device)
+        dist.all_reduce(summed)
+        totals = dict(zip(totals, summed.tolist(), strict=True))
     count = max(totals.pop("count"), 1.0)
     return {
         "train_loss": totals["loss"] / count,
@@ -170,7 +214,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _loaders(config: TrainConfig, root: str | Path | None) -> tuple[DataLoader, DataLoader, DataLoader, list[str]]:
+def _loaders(config: TrainConfig, root: str | Path | None, world_size: int = 1) -> tuple[DataLoader, DataLoader, DataLoader, list[str]]:
     full_train = load_dataset(config.dataset, "train", root=root, verify=config.verify_data)
     names = class_names(config.dataset, full_train)
     train_set, val_set = train_val_split(full_train, config.val_fraction, config.seed)
@@ -180,7 +224,12 @@ def _loaders(config: TrainConfig, root: str | Path | None) -> tuple[DataLoader, 
     test_set: Dataset = subset(load_dataset(config.dataset, "test", root=root, verify=config.verify_data), config.test_subset, config.seed)
     common = {"batch_size": config.batch_size, "num_workers": config.num_workers}
     generator = torch.Generator().manual_seed(config.seed)
-    train_loader = DataLoader(train_set, shuffle=True, drop_last=False, generator=generator, **common)
+    if world_size > 1:  # this rank's share of the seeded order (seed * 1000 + epoch, set per epoch)
+        sampler = DistributedSampler(train_set, shuffle=True, seed=config.seed * 1000, drop_last=False)
+        per_rank = dict(common, batch_size=math.ceil(config.batch_size / world_size))
+        train_loader = DataLoader(train_set, sampler=sampler, drop_last=False, **per_rank)
+    else:
+        train_loader = DataLoader(train_set, shuffle=True, drop_last=False, generator=generator, **common)
     eval_common = dict(common, batch_size=max(config.batch_size, 256))
     return train_loader, DataLoader(val_set, **eval_common), DataLoader(test_set, **eval_common), names
 
@@ -193,13 +242,15 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    rank, world_size = _env_rank()
     config_path = out / "train_config.json"
     if config_path.is_file():
         saved = TrainConfig.model_validate_json(config_path.read_text())
         if saved.fingerprint() != config.fingerprint():
             raise ConfigError(f"{out} already holds a network trained with another config; choose a new --out")
-    else:
-        config_path.write_text(config.model_dump_json(indent=2))
+    elif rank == 0:  # written whole, then renamed: other ranks never read half a file
+        config_path.with_suffix(".json.tmp").write_text(config.model_dump_json(indent=2))
+        config_path.with_suffix(".json.tmp").replace(config_path)
 
     metrics_path, steps_path = out / "metrics.jsonl", out / "steps.jsonl"
     epochs_done = _read_jsonl(metrics_path)
@@ -208,7 +259,10 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
 
     seed_everything(config.seed)
     device = networks.resolve_device(config.device)
-    train_loader, val_loader, test_loader, names = _loaders(config, root)
+    if world_size > 1:
+        device = _init_distributed(device)
+        progress = progress and rank == 0
+    train_loader, val_loader, test_loader, names = _loaders(config, root, world_size)
     info = dataset_info(config.dataset)
     net_config = networks.NetworkConfig(
         architecture=config.architecture,
@@ -231,6 +285,9 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
         multiplier.load_state_dict(state["multiplier"])
     epochs_done = epochs_done[:start_epoch]
     steps = _read_jsonl(steps_path)
+    trained: nn.Module = model
+    if world_size > 1:  # wraps after the checkpoint is loaded; DDP broadcasts rank 0's weights
+        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def lr_at(epoch: int) -> float:
         return config.lr * config.gamma ** sum(1 for m in config.milestones if epoch >= m)
@@ -239,11 +296,14 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
     for epoch in range(start_epoch, config.epochs):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(epoch)
-        train_loader.generator.manual_seed(config.seed * 1000 + epoch)  # type: ignore[union-attr]
+        if isinstance(train_loader.sampler, DistributedSampler):
+            train_loader.sampler.set_epoch(epoch)
+        else:
+            train_loader.generator.manual_seed(config.seed * 1000 + epoch)  # type: ignore[union-attr]
         started = time.perf_counter()
         step_log: list[dict[str, Any]] = []
         train_metrics = train_one_epoch(
-            model, train_loader, optimizer, config.objective, multiplier,
+            trained, train_loader, optimizer, config.objective, multiplier,
             device=device, grad_clip=config.grad_clip, augment=config.augment, amp=config.amp,
             step_log=step_log, progress=progress, description=f"{config.name} epoch {epoch + 1}/{config.epochs}",
         )
@@ -263,6 +323,8 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
             "epoch_seconds": seconds,
         }
         epochs_done.append(last)
+        if rank != 0:
+            continue
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in epochs_done))
         steps_path.write_text("".join(json.dumps(s) + "\n" for s in steps))
         _save_checkpoint(out, model, optimizer, {"epoch": epoch + 1, "multiplier": multiplier.state_dict(), "fingerprint": config.fingerprint()})
@@ -272,5 +334,9 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
                 f"[{config.name}] epoch {epoch + 1}: test acc {test['accuracy']:.4f}, val acc {val['accuracy']:.4f}, "
                 f"transport {test['transport']:.3f}, lambda {multiplier.value:.1f}, {seconds:.0f}s"
             )
-    networks.save(model.cpu(), out, net_config)
+    if rank == 0:
+        networks.save(model.cpu(), out, net_config)
+    if world_size > 1:
+        dist.barrier()  # the other ranks return once the network is saved
+        dist.destroy_process_group()
     return last

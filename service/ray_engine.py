@@ -1,0 +1,184 @@
+"""Batch scoring sharded over a Ray cluster (``lapguard score --engine ray``).
+
+The driver discovers the inputs, resumes and writes the output exactly as in-process scoring
+(:mod:`service.scoring`); what changes is where the network runs: a pool of Ray actors, each of
+which loads the Guard from the bundle ONCE, receives batches (encoded file bytes or array items)
+and returns their result rows. Batches are submitted round-robin, at most two per actor in
+flight, and collected in submission order, so the rows come out in input order, as locally.
+
+The bundle travels through Ray's object store and is verified (sha256) by every actor, so the
+nodes of a multi-node cluster need lapguard installed but no shared file system. ``address``
+connects to a running cluster (``ray start --head`` / ``ray start --address=HEAD:6379`` on the
+nodes, then ``--ray-address HEAD:6379`` or ``auto``); without it a local Ray is started and
+stopped again. Ray is optional: ``pip install 'lapguard[ray]'``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import deque
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from detector.errors import ArtefactError, ConfigError, LapguardError
+from service.scoring import (
+    Format,
+    InputItem,
+    InputLike,
+    Row,
+    ScoringSummary,
+    Unusable,
+    collate,
+    describe_error,
+    load_payload,
+    prepare_payload,
+    run_scoring,
+    score_batch,
+)
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or a :class:`ConfigError` saying how to install it."""
+    try:
+        import ray
+    except ImportError as error:
+        raise ConfigError(
+            "the ray engine needs Ray: pip install 'lapguard[ray]' (or 'ray[data]'), "
+            "or use --engine local"
+        ) from error
+    return ray
+
+
+class GuardWorker:
+    """A Ray actor's state: the Guard, loaded once from the bundle files it was sent."""
+
+    def __init__(self, bundle_files: dict[str, bytes], device: str) -> None:
+        from detector.guard import Guard
+
+        folder = Path(tempfile.mkdtemp(prefix="lapguard-bundle-"))
+        try:
+            for name, data in bundle_files.items():
+                (folder / name).write_bytes(data)
+            self.guard = Guard.from_bundle(folder, device=device)  # checksums verified here
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def score(self, payloads: Sequence[bytes | np.ndarray | Unusable]) -> list[Row]:
+        guard = self.guard
+        prepared = [
+            prepare_payload(guard.prepare, p, channels=guard.input_spec.channels) for p in payloads
+        ]
+        return score_batch(guard, collate(prepared))
+
+
+def bundle_files(bundle: Path) -> dict[str, bytes]:
+    """The files of a bundle directory (verified by the actors when they load it)."""
+    if not (bundle / "manifest.json").is_file():
+        raise ArtefactError(
+            f"{bundle} is not a bundle (no manifest.json); build one with `lapguard bundle`"
+        )
+    return {p.name: p.read_bytes() for p in sorted(bundle.iterdir()) if p.is_file()}
+
+
+def score_inputs_ray(
+    bundle: str | Path,
+    inputs: Sequence[InputLike],
+    out_path: str | Path,
+    *,
+    fmt: Format = "jsonl",
+    batch_size: int = 256,
+    num_actors: int = 2,
+    device: str = "auto",
+    address: str | None = None,
+    progress: bool = True,
+    retry_errors: bool = False,
+) -> ScoringSummary:
+    """Score ``inputs`` on ``num_actors`` Ray actors (one GPU each when the cluster has GPUs
+    and ``device`` is not cpu) into ``out_path``, with the output of :func:`score_inputs`."""
+    ray = import_ray()
+    if batch_size < 1 or num_actors < 1:
+        raise ConfigError("batch size and the number of Ray actors must be at least 1")
+    files = bundle_files(Path(bundle))
+
+    def engine(pending: list[InputItem]) -> Iterator[list[Row]]:
+        return _ray_results(
+            ray,
+            files,
+            pending,
+            batch_size=batch_size,
+            num_actors=num_actors,
+            device=device,
+            address=address,
+        )
+
+    return run_scoring(
+        inputs,
+        out_path,
+        engine,
+        fmt=fmt,
+        progress=progress,
+        retry_errors=retry_errors,
+        description="score (ray)",
+    )
+
+
+def _payloads(group: Sequence[InputItem]) -> list[bytes | np.ndarray | Unusable]:
+    loaded: list[bytes | np.ndarray | Unusable] = []
+    for item in group:
+        try:
+            payload = load_payload(item)
+        except Exception as error:  # unreadable: an error row
+            loaded.append(Unusable(describe_error(error)))
+            continue
+        loaded.append(np.ascontiguousarray(payload) if isinstance(payload, np.ndarray) else payload)
+    return loaded
+
+
+def _ray_results(
+    ray: Any,
+    files: dict[str, bytes],
+    pending: list[InputItem],
+    *,
+    batch_size: int,
+    num_actors: int,
+    device: str,
+    address: str | None,
+) -> Iterator[list[Row]]:
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    actors: list[Any] = []
+    try:
+        resources = ray.cluster_resources()
+        gpu = device != "cpu" and resources.get("GPU", 0) >= 1
+        slots = int(resources.get("GPU" if gpu else "CPU", 1))
+        batches = [pending[i : i + batch_size] for i in range(0, len(pending), batch_size)]
+        count = max(1, min(num_actors, slots, len(batches)))
+        worker = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(GuardWorker)
+        files_ref = ray.put(files)
+        actors = [worker.remote(files_ref, device) for _ in range(count)]
+        window: deque[Any] = deque()
+        for number, group in enumerate(batches):
+            window.append(actors[number % count].score.remote(_payloads(group)))
+            if len(window) >= 2 * count:
+                yield _get(ray, window.popleft())
+        while window:
+            yield _get(ray, window.popleft())
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        if started_here:
+            ray.shutdown()
+
+
+def _get(ray: Any, ref: Any) -> list[Row]:
+    try:
+        rows: list[Row] = ray.get(ref)
+    except ray.exceptions.RayError as error:
+        cause = getattr(error, "cause", None) or error
+        raise LapguardError(f"a Ray actor failed: {describe_error(cause)}") from error
+    return rows
