@@ -363,8 +363,111 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 # ---- score (issue: batch scoring) -------------------------------------------------------------
+def _add_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "score",
+        help="score image files, folders, arrays or a data set into JSONL/CSV (resumable)",
+        description="One output row per input: path (files) or index (arrays, data sets), then "
+        "label, class_name, confidence, flagged, score, threshold; or error. Re-running the same "
+        "command resumes an interrupted run.",
+    )
+    p.add_argument("inputs", nargs="*", metavar="INPUT", help="image files, folders (recursive), .npy/.npz arrays")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--bundle", type=Path, default=None, help="bundle directory, scored here (default $LAPGUARD_BUNDLE)")
+    target.add_argument("--url", default=None, help="score on a running server instead, e.g. http://127.0.0.1:8000")
+    p.add_argument("--out", type=Path, default=Path("results.jsonl"), help="output file (default results.jsonl)")
+    p.add_argument("--format", choices=["jsonl", "csv"], default=None, help="default: csv for a .csv --out, else jsonl")
+    p.add_argument("--batch-size", type=int, default=None, help="images per forward pass (default 256), or per request with --url (default 32)")
+    p.add_argument("--workers", type=int, default=2, help="data-loading processes, or Ray actors with --engine ray (default 2)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--engine", choices=["local", "ray"], default="local", help="local (default) or ray (pip install 'lapguard[ray]')")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (HOST:6379 or auto; default: a local Ray)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight with --url (default 4)")
+    p.add_argument("--retries", type=int, default=5, help="retries of a request answered 429/503 or not connected (default 5)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request with --url (default 60)")
+    p.add_argument("--api-key", default=None, help="API key for --url (default $LAPGUARD_API_KEY)")
+    p.add_argument("--dataset", default=None, help="also score a data set by name (see `lapguard data --list`)")
+    p.add_argument("--split", default="test", choices=["train", "test"], help="data set split (default test)")
+    p.add_argument("--root", type=Path, default=None, help="data root")
+    p.add_argument("--n", type=int, default=None, help="only the first N images of the data set")
+    p.add_argument("--retry-errors", action="store_true", help="score again the inputs whose rows hold an error")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_run_score)
 
-PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_add_data, _add_train, _add_attack, _add_pipeline, _add_steps, _add_demo, _add_serve]
+
+def _score_dataset(name: str, split: str, root: Path | None, n: int | None):
+    """The first ``n`` images of a data set, by index: torchvision's stored uint8 images when the
+    items are only those scaled to [0, 1] (ToTensor; the same pixels without PIL per image), else
+    the data set itself."""
+    import numpy as np
+    from torch.utils.data import Subset
+    from torchvision import transforms
+
+    from training.data import load_dataset
+
+    dataset = load_dataset(name, split, root=root)
+    count = len(dataset) if n is None else min(n, len(dataset))
+    stored = getattr(dataset, "data", None)
+    if (
+        isinstance(getattr(dataset, "transform", None), transforms.ToTensor)
+        and getattr(dataset, "target_transform", None) is None
+        and stored is not None
+        and len(stored) == len(dataset)
+        and str(stored.dtype) in ("uint8", "torch.uint8")
+    ):
+        return np.asarray(stored[:count])
+    return Subset(dataset, range(count))
+
+
+def _run_score(args: argparse.Namespace) -> int:
+    import os
+
+    from detector.errors import ConfigError
+    from service.scoring import InMemoryInput
+
+    inputs: list = list(args.inputs)
+    if args.n is not None and args.dataset is None:
+        raise ConfigError("--n limits --dataset; give --dataset NAME")
+    if args.dataset is not None:
+        if args.n is not None and args.n < 1:
+            raise ConfigError(f"--n must be positive, got {args.n}")
+        inputs.append(InMemoryInput(f"{args.dataset}:{args.split}", _score_dataset(args.dataset, args.split, args.root, args.n)))
+    if not inputs:
+        raise ConfigError("score needs INPUT paths or --dataset NAME")
+    fmt = args.format or ("csv" if args.out.suffix.lower() == ".csv" else "jsonl")
+    common = {"fmt": fmt, "progress": not args.no_progress, "retry_errors": args.retry_errors}
+    if args.url is not None:
+        from service.client import score_url
+
+        if args.engine != "local":
+            raise ConfigError("--url scores on a server; --engine ray needs --bundle")
+        summary = score_url(
+            args.url, inputs, args.out, batch_size=args.batch_size or 32, concurrency=args.concurrency,
+            retries=args.retries, timeout=args.timeout, api_key=args.api_key or os.environ.get("LAPGUARD_API_KEY"),
+            **common,
+        )
+    else:
+        bundle = args.bundle or (Path(os.environ["LAPGUARD_BUNDLE"]) if os.environ.get("LAPGUARD_BUNDLE") else None)
+        if bundle is None:
+            raise ConfigError("score needs --bundle DIR (or $LAPGUARD_BUNDLE), or --url of a running server")
+        if args.engine == "ray":
+            from service.ray_engine import score_inputs_ray
+
+            summary = score_inputs_ray(
+                bundle, inputs, args.out, batch_size=args.batch_size or 256, num_actors=args.workers,
+                device=args.device, address=args.ray_address, **common,
+            )
+        else:
+            from detector.guard import Guard
+            from service.scoring import score_inputs
+
+            guard = Guard.from_bundle(bundle, device=args.device)
+            summary = score_inputs(guard, inputs, args.out, batch_size=args.batch_size or 256, num_workers=args.workers, **common)
+    print(summary)
+    return 0
+
+
+PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_add_data, _add_train, _add_attack, _add_pipeline, _add_steps, _add_demo, _add_serve, _add_score]
 
 
 def build_parser() -> argparse.ArgumentParser:
