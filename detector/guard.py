@@ -149,12 +149,40 @@ class Guard:
                     f"an array of images must be [N, H, W] or [N, H, W, C] / [N, C, H, W], got shape {images.shape}; "
                     "wrap a single image in a list"
                 )
+            stacked = self._prepare_stack(images)
+            if stacked is not None:
+                return stacked
             images = list(images)
         if len(images) == 0:
             raise InputError("no images given")
         return torch.stack(
             [self._prepare_one(np.asarray(image), i) for i, image in enumerate(images)]
         )
+
+    def _prepare_stack(self, images: np.ndarray) -> torch.Tensor | None:
+        """The whole stack at once when it already has the spec's size and channels (NCHW, NHWC,
+        or NHW for one channel) and valid pixels; None sends it through the per-image path, which
+        converts what needs converting and names the image at fault."""
+        spec = self.input_spec
+        if images.ndim == 4 and images.shape[1:] == spec.shape:
+            chw = images
+        elif images.ndim == 4 and images.shape[1:] == (spec.height, spec.width, spec.channels):
+            chw = images.transpose(0, 3, 1, 2)
+        elif images.ndim == 3 and spec.channels == 1 and images.shape[1:] == (spec.height, spec.width):
+            chw = images[:, None]
+        else:
+            return None
+        low, high = spec.value_range
+        if images.dtype == np.uint8:
+            x = torch.from_numpy(np.ascontiguousarray(chw)).float() * ((high - low) / 255.0) + low
+            return x
+        if not np.issubdtype(images.dtype, np.floating):
+            return None
+        x = torch.from_numpy(np.ascontiguousarray(chw, dtype=np.float32))
+        slack = 1e-3 * (high - low)
+        if not torch.isfinite(x).all() or x.min() < low - slack or x.max() > high + slack:
+            return None
+        return x.clamp(low, high)
 
     def _prepare_one(self, image: np.ndarray, index: int) -> torch.Tensor:
         spec = self.input_spec

@@ -264,3 +264,20 @@ def test_prepare_repeats_gray_into_rgb_and_keeps_rgba_for_four_channels(run: dic
         device="cpu",
     )
     assert rgba_guard.prepare([np.zeros((20, 20, 4), np.uint8)]).shape == (1, 4, 16, 16)
+
+
+@pytest.mark.parametrize("layout", ["nhw", "nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_prepare_of_a_stack_equals_image_by_image(guard: Guard, layout: str, dtype: str) -> None:
+    rng = np.random.default_rng(3)
+    images = rng.integers(0, 256, size=(5, 28, 28), dtype=np.uint8)
+    if dtype == "float32":
+        images = images.astype(np.float32) / 255
+    stack = {"nhw": images, "nchw": images[:, None], "nhwc": images[..., None]}[layout]
+    one_by_one = guard.prepare(list(stack))
+    torch.testing.assert_close(guard.prepare(stack), one_by_one, rtol=0, atol=1e-6)
+    assert one_by_one.shape == (5, 1, 28, 28)
+    with pytest.raises(InputError, match="image 2 contains NaN"):
+        bad = stack.astype(np.float32) / (255 if dtype == "uint8" else 1)
+        bad[2] = np.nan
+        guard.prepare(bad)
