@@ -78,3 +78,35 @@ def test_rerun_is_a_noop_and_steps_work_alone(smoke_run, tmp_path, data_root, ca
     assert "transport" in capsys.readouterr().out
     assert cli_main(["fit", "--run", str(tmp_path / "not-a-run")]) == 2
     assert "not a pipeline run directory" in capsys.readouterr().err
+
+
+def test_served_bundle_flags_held_out_attacks_at_the_evaluated_rate(smoke_run, data_root) -> None:
+    """The real server, sent the held-out (B2) FGM images of the smoke run as FP32 tensors through
+    the v2 route, flags them at exactly the rate the pipeline measured for the shipped detector."""
+    import httpx
+
+    from service.settings import Settings
+    from tests.test_service import LiveServer
+    from training.adversarial import attack_images, get_or_generate
+    from training.experiments import Split
+
+    info = json.loads((smoke_run / "detector" / "detector.json").read_text())
+    manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
+    expected = manifest["metrics"]["heldout_flag_rate_fgm-eps0.1"]
+    assert expected == info["heldout"]["flag_rate"]["fgm-eps0.1"] > 4 * info["heldout"]["fpr"]
+    model_dir = smoke_run / "models" / "lap"
+    x, y, indices = attack_images(model_dir, n=600, root=data_root)
+    attacked = get_or_generate(smoke_run / "attacks" / "lap", model_dir, x, y, indices, "fgm", {"eps": 0.1}, progress=False)
+    split = Split(info["split_seed"], info["test_fraction"], int(indices.max()) + 1)
+    held_out = attacked.x_adv[split.is_test[attacked.indices]]
+    assert len(held_out) == info["heldout"]["n"]["fgm-eps0.1"]
+    flagged: list[bool] = []
+    with LiveServer(Settings(bundle=smoke_run / "bundle", device="cpu")) as live:
+        for start in range(0, len(held_out), live.settings.max_images_per_request):
+            chunk = held_out[start : start + live.settings.max_images_per_request]
+            request = {"inputs": [{"name": "input", "shape": list(chunk.shape), "datatype": "FP32", "data": chunk.reshape(-1).tolist()}]}
+            response = httpx.post(f"{live.url}/v2/models/{manifest['name']}/infer", json=request, timeout=120)
+            assert response.status_code == 200, response.text
+            flagged += next(o for o in response.json()["outputs"] if o["name"] == "flagged")["data"]
+    assert len(flagged) == len(held_out)
+    assert np.mean(flagged) == pytest.approx(expected, abs=1.5 / len(held_out))

@@ -239,6 +239,19 @@ def fit_deployable(config: PipelineConfig, run: Path, *, root: Path | None = Non
     )
     held_out = split.calibration(clean)
     calibration = Calibration.from_scores(detector.score(held_out.features, held_out.predicted), config.target_fpr)
+    # What the shipped detector does on the test side it never saw (seed-0 B2): the flag rates a
+    # deployment should reproduce, at the calibrated threshold.
+    test_clean = split.test(clean)
+    heldout = {
+        "fpr": float((detector.score(test_clean.features, test_clean.predicted) > calibration.threshold).mean()),
+        "n_clean": len(test_clean),
+        "flag_rate": {},
+        "n": {},
+    }
+    for key in keys:
+        test_attack = split.test(attacks[key])
+        heldout["flag_rate"][key] = float((detector.score(test_attack.features, test_attack.predicted) > calibration.threshold).mean())
+        heldout["n"][key] = len(test_attack)
     arrays, params = detector.to_arrays()
     out.mkdir(parents=True, exist_ok=True)
     from safetensors.numpy import save_file
@@ -246,7 +259,7 @@ def fit_deployable(config: PipelineConfig, run: Path, *, root: Path | None = Non
     save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(out / "detector.safetensors"))
     (out / "detector.json").write_text(json.dumps({
         "kind": "transport", "network": name, "train_attacks": keys, "params": params,
-        "calibration": calibration.to_dict(),
+        "calibration": calibration.to_dict(), "heldout": heldout, "split_seed": 0, "test_fraction": config.test_fraction,
     }, indent=2))
     return out
 
@@ -321,7 +334,8 @@ def write_run_bundle(run: Path, out: Path | None = None) -> Path:
 
     config = read_pipeline_config(run)
     detector, calibration, info = load_deployable(run)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {"heldout_fpr": info["heldout"]["fpr"]}
+    metrics.update({f"heldout_flag_rate_{key}": rate for key, rate in info["heldout"]["flag_rate"].items()})
     results_path = run / RESULTS_FILE
     if results_path.is_file():
         results = json.loads(results_path.read_text())
