@@ -26,15 +26,12 @@ import io
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch
 
@@ -42,7 +39,8 @@ from detector.guard import Guard
 from training.cli import main as cli_main
 from training.data import default_root, load_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_server import ROOT, start_server, stop_server  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,47 +86,12 @@ def run_score(argv: list[str], out: Path) -> tuple[float, str]:
     return float(match.group(1)), summary.strip()
 
 
-def start_server(args: argparse.Namespace, bundle: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+def start_local_server(args: argparse.Namespace, bundle: Path) -> tuple[subprocess.Popen, str]:
     env = {
-        k: v for k, v in os.environ.items() if not k.startswith("LAPGUARD_") or k == "LAPGUARD_DATA"
+        "LAPGUARD_MAX_IMAGES_PER_REQUEST": str(args.url_batch_size),
+        "LAPGUARD_MAX_QUEUE": str(max(512, 2 * args.concurrency * args.url_batch_size)),
     }
-    env["LAPGUARD_MAX_IMAGES_PER_REQUEST"] = str(args.url_batch_size)
-    env["LAPGUARD_MAX_QUEUE"] = str(max(512, 2 * args.concurrency * args.url_batch_size))
-    command = [
-        sys.executable, "-m", "training.cli", "serve", "--bundle", str(bundle), "--host", "127.0.0.1",
-        "--port", str(port), "--device", args.device, "--max-batch-size", str(args.batch_size),
-        "--log-level", "warning",
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(
-                f"the server exited: {process.stderr.read() if process.stderr else ''}"
-            )
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    stop(process)
-    raise SystemExit("the server was not ready within 120 s")
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=10)
+    return start_server(bundle, flags=["--device", args.device, "--max-batch-size", str(args.batch_size)], env=env)
 
 
 def disagreements(a: Path, b: Path) -> tuple[int, float]:
@@ -192,7 +155,7 @@ def main() -> None:
             f"({local_rate:.1f} vs {reference:.1f} images/s)"
         )
 
-        process, url = start_server(args, bundle)
+        process, url = start_local_server(args, bundle)
         try:
             url_argv = [
                 "--url", url, *common, "--batch-size", str(args.url_batch_size),
@@ -200,7 +163,7 @@ def main() -> None:
             ]  # fmt: skip
             remote = [run_score(url_argv, remote_out) for _ in range(args.repeat)]
         finally:
-            stop(process)
+            stop_server(process)
         remote_rate, remote_summary = max(remote)
         print(
             f"`lapguard score --url` against `lapguard serve` on 127.0.0.1 "

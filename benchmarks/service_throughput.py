@@ -20,8 +20,6 @@ import argparse
 import asyncio
 import io
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,7 +35,8 @@ from detector.features import extract_features
 from detector.guard import Guard
 from detector.images import decode_image
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_server import start_server, stop_server  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -127,37 +126,9 @@ def in_process(guard: Guard, blobs: list[bytes], sizes: list[int], budget: float
     }
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("LAPGUARD_") or k == "LAPGUARD_DATA"
-    }
-    env["LAPGUARD_MAX_QUEUE"] = str(max(512, 4 * args.clients))
-    command = [
-        sys.executable, "-m", "training.cli", "serve", "--bundle", str(args.bundle), "--host", "127.0.0.1",
-        "--port", str(port), "--device", args.device, "--max-batch-size", str(args.max_batch_size),
-        "--max-wait-ms", str(args.max_wait_ms), "--log-level", "warning",
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(
-                f"the server exited: {process.stderr.read() if process.stderr else ''}"
-            )
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit("the server was not ready within 120 s")
+def start_local_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    flags = ["--device", args.device, "--max-batch-size", str(args.max_batch_size), "--max-wait-ms", str(args.max_wait_ms)]
+    return start_server(args.bundle, flags=flags, env={"LAPGUARD_MAX_QUEUE": str(max(512, 4 * args.clients))})
 
 
 async def load(
@@ -216,18 +187,14 @@ def main() -> None:
     print(f"in-process single-image latency (decode+prepare+predict): {local['single_ms']:.2f} ms")
     del guard
 
-    process, url = start_server(args)
+    process, url = start_local_server(args)
     try:
         latencies, wall, errors = asyncio.run(
             load(url, blobs, args.clients, args.requests, args.time_limit)
         )
         metrics = httpx.get(url + "/metrics", timeout=5).text
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_server(process)
     if not latencies:
         raise SystemExit(f"no successful requests ({errors} errors)")
     rate = len(latencies) / wall
