@@ -91,7 +91,9 @@ def start_local_server(args: argparse.Namespace, bundle: Path) -> tuple[subproce
         "LAPGUARD_MAX_IMAGES_PER_REQUEST": str(args.url_batch_size),
         "LAPGUARD_MAX_QUEUE": str(max(512, 2 * args.concurrency * args.url_batch_size)),
     }
-    return start_server(bundle, flags=["--device", args.device, "--max-batch-size", str(args.batch_size)], env=env)
+    return start_server(
+        bundle, flags=["--device", args.device, "--max-batch-size", str(args.batch_size)], env=env
+    )
 
 
 def disagreements(a: Path, b: Path) -> tuple[int, float]:

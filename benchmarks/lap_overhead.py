@@ -39,28 +39,48 @@ def main() -> None:
     # Materialize once so data loading is not part of what is compared.
     x = torch.stack([data[i][0] for i in range(len(data))])
     y = torch.tensor([int(data[i][1]) for i in range(len(data))])
-    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=args.batch_size, shuffle=False)
-    config = NetworkConfig(architecture="resnet9_mnist", class_names=list(info.class_names),
-                           input_spec=InputSpec(**info.input_spec().model_dump()))
+    loader = DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=args.batch_size, shuffle=False
+    )
+    config = NetworkConfig(
+        architecture="resnet9_mnist",
+        class_names=list(info.class_names),
+        input_spec=InputSpec(**info.input_spec().model_dump()),
+    )
     base = init_weights(build_network(config), "kaiming")
 
     times: dict[str, list[float]] = {"vanilla": [], "lap": []}
     for _ in range(args.repeats):
         for objective in ("vanilla", "lap"):
             model = copy.deepcopy(base).to(device)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+            optimizer = torch.optim.SGD(
+                model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4
+            )
             multiplier = UzawaMultiplier()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            train_one_epoch(model, loader, optimizer, objective, multiplier, device=device, grad_clip=5.0, progress=False)
+            train_one_epoch(
+                model,
+                loader,
+                optimizer,
+                objective,
+                multiplier,
+                device=device,
+                grad_clip=5.0,
+                progress=False,
+            )
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[objective].append(time.perf_counter() - start)
 
     vanilla, lap = statistics.median(times["vanilla"]), statistics.median(times["lap"])
-    print(f"device: {device}, threads: {torch.get_num_threads()}, images/epoch: {len(data)}, batch: {args.batch_size}")
-    print(f"vanilla epoch: median {vanilla:.2f}s  (all: {', '.join(f'{t:.2f}' for t in times['vanilla'])})")
+    print(
+        f"device: {device}, threads: {torch.get_num_threads()}, images/epoch: {len(data)}, batch: {args.batch_size}"
+    )
+    print(
+        f"vanilla epoch: median {vanilla:.2f}s  (all: {', '.join(f'{t:.2f}' for t in times['vanilla'])})"
+    )
     print(f"LAP epoch:     median {lap:.2f}s  (all: {', '.join(f'{t:.2f}' for t in times['lap'])})")
     print(f"LAP / vanilla epoch time: {lap / vanilla:.3f}  (target <= 1.05)")
 

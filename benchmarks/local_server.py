@@ -15,22 +15,35 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_server(bundle: Path, *, flags: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+def start_server(
+    bundle: Path, *, flags: list[str], env: dict[str, str] | None = None, timeout: float = 120
+) -> tuple[subprocess.Popen, str]:
     """Start the server with ``flags`` (and LAPGUARD_* ``env`` on top of a clean environment);
     return it and its URL once /readyz answers 200."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("LAPGUARD_") or k == "LAPGUARD_DATA"}
+    environment = {
+        k: v for k, v in os.environ.items() if not k.startswith("LAPGUARD_") or k == "LAPGUARD_DATA"
+    }
     environment.update(env or {})
     command = [sys.executable, "-m", "training.cli", "serve", "--bundle", str(bundle), "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "warning", *flags]  # fmt: skip
-    process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"the server exited: {process.stderr.read() if process.stderr else ''}")
+            raise SystemExit(
+                f"the server exited: {process.stderr.read() if process.stderr else ''}"
+            )
         try:
             if httpx.get(url + "/readyz", timeout=2).status_code == 200:
                 return process, url

@@ -127,8 +127,17 @@ def in_process(guard: Guard, blobs: list[bytes], sizes: list[int], budget: float
 
 
 def start_local_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    flags = ["--device", args.device, "--max-batch-size", str(args.max_batch_size), "--max-wait-ms", str(args.max_wait_ms)]
-    return start_server(args.bundle, flags=flags, env={"LAPGUARD_MAX_QUEUE": str(max(512, 4 * args.clients))})
+    flags = [
+        "--device",
+        args.device,
+        "--max-batch-size",
+        str(args.max_batch_size),
+        "--max-wait-ms",
+        str(args.max_wait_ms),
+    ]
+    return start_server(
+        args.bundle, flags=flags, env={"LAPGUARD_MAX_QUEUE": str(max(512, 4 * args.clients))}
+    )
 
 
 async def load(

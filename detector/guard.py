@@ -168,7 +168,11 @@ class Guard:
             chw = images
         elif images.ndim == 4 and images.shape[1:] == (spec.height, spec.width, spec.channels):
             chw = images.transpose(0, 3, 1, 2)
-        elif images.ndim == 3 and spec.channels == 1 and images.shape[1:] == (spec.height, spec.width):
+        elif (
+            images.ndim == 3
+            and spec.channels == 1
+            and images.shape[1:] == (spec.height, spec.width)
+        ):
             chw = images[:, None]
         else:
             return None

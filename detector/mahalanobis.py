@@ -298,7 +298,9 @@ class MahalanobisDetector(BaseEstimator):
     def _magnitudes(self) -> list[float]:
         magnitudes = [float(m) for m in self.magnitudes]
         if not magnitudes or any(m < 0 for m in magnitudes):
-            raise ConfigError(f"magnitudes must be a non-empty list of values >= 0, got {self.magnitudes}")
+            raise ConfigError(
+                f"magnitudes must be a non-empty list of values >= 0, got {self.magnitudes}"
+            )
         return magnitudes
 
     def features_by_magnitude(self, model: nn.Module, x: np.ndarray) -> dict[float, np.ndarray]:
@@ -317,7 +319,9 @@ class MahalanobisDetector(BaseEstimator):
             raise ConfigError("call fit_clean(model, clean_train_images, labels) before fit")
         return self.fit_features(self.features_by_magnitude(model, x), is_abnormal)
 
-    def fit_features(self, features: dict[float, np.ndarray], is_abnormal: np.ndarray) -> MahalanobisDetector:
+    def fit_features(
+        self, features: dict[float, np.ndarray], is_abnormal: np.ndarray
+    ) -> MahalanobisDetector:
         """:meth:`fit` from precomputed :meth:`features_by_magnitude`: the magnitude with the best
         validation AUROC (on at most ``selection_samples`` rows of this training data), then the
         forest on every row at that magnitude."""
@@ -325,7 +329,9 @@ class MahalanobisDetector(BaseEstimator):
         magnitudes = self._magnitudes()
         missing = [m for m in magnitudes if m not in features]
         if missing:
-            raise InputError(f"features for magnitudes {missing} are missing (have {sorted(features)})")
+            raise InputError(
+                f"features for magnitudes {missing} are missing (have {sorted(features)})"
+            )
         n = len(features[magnitudes[0]])
         y = check_binary_labels(is_abnormal, n)
         self.selection_auroc_: dict[float, float] = {}
@@ -334,13 +340,25 @@ class MahalanobisDetector(BaseEstimator):
         else:
             index = np.arange(n)
             if self.selection_samples is not None and n > self.selection_samples:
-                index, _ = train_test_split(index, train_size=self.selection_samples, stratify=y, random_state=self.random_state)
-            train, val = train_test_split(index, test_size=self.validation_fraction, stratify=y[index], random_state=self.random_state)
+                index, _ = train_test_split(
+                    index,
+                    train_size=self.selection_samples,
+                    stratify=y,
+                    random_state=self.random_state,
+                )
+            train, val = train_test_split(
+                index,
+                test_size=self.validation_fraction,
+                stratify=y[index],
+                random_state=self.random_state,
+            )
             for magnitude in magnitudes:
                 f = check_features(features[magnitude])
                 forest = self._forest().fit(f[train], y[train])
                 self.selection_auroc_[magnitude] = auroc(y[val], vote_fraction(forest, f[val]))
-            self.magnitude_ = max(magnitudes, key=lambda m: self.selection_auroc_[m])  # first of the best
+            self.magnitude_ = max(
+                magnitudes, key=lambda m: self.selection_auroc_[m]
+            )  # first of the best
         chosen = check_features(features[self.magnitude_])
         self.forest_ = self._forest().fit(chosen, y)
         self.n_features_in_ = chosen.shape[1]

@@ -80,14 +80,18 @@ class NetworkConfig(BaseModel):
     @classmethod
     def _known_version(cls, value: int) -> int:
         if value != FORMAT_VERSION:
-            raise ValueError(f"unknown network format version {value} (this lapguard reads {FORMAT_VERSION})")
+            raise ValueError(
+                f"unknown network format version {value} (this lapguard reads {FORMAT_VERSION})"
+            )
         return value
 
     @field_validator("architecture")
     @classmethod
     def _registered(cls, value: str) -> str:
         if value not in _MODELS:
-            raise ValueError(f"unknown architecture {value!r}; registered: {', '.join(list_models())}")
+            raise ValueError(
+                f"unknown architecture {value!r}; registered: {', '.join(list_models())}"
+            )
         return value
 
     @property
@@ -106,7 +110,9 @@ class Normalize(nn.Module):
 
     def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
-        self.register_buffer("mean", torch.tensor(list(mean), dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer(
+            "mean", torch.tensor(list(mean), dtype=torch.float32).view(1, -1, 1, 1)
+        )
         self.register_buffer("std", torch.tensor(list(std), dtype=torch.float32).view(1, -1, 1, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +177,9 @@ class ObservableResNet(nn.Module):
         return [f"blocks.{m}.residual" for m in range(len(self.blocks))]
 
 
-def _conv_bn(cin: int, cout: int, *, stride: int = 1, groups: int = 1, kernel: int = 3) -> list[nn.Module]:
+def _conv_bn(
+    cin: int, cout: int, *, stride: int = 1, groups: int = 1, kernel: int = 3
+) -> list[nn.Module]:
     return [
         nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2, groups=groups, bias=False),
         nn.BatchNorm2d(cout),
@@ -235,7 +243,9 @@ def resnet9_mnist(
         nn.ReLU(),
     )
     blocks = [
-        ResidualBlock(nn.Sequential(*_conv_bn(width, width), nn.ReLU(), *_conv_bn(width, width)), h=h)
+        ResidualBlock(
+            nn.Sequential(*_conv_bn(width, width), nn.ReLU(), *_conv_bn(width, width)), h=h
+        )
         for _ in range(depth)
     ]
     side = (input_size + 1) // 2
@@ -246,10 +256,14 @@ def resnet9_mnist(
         nn.ReLU(),
         nn.Linear(hidden, num_classes),
     )
-    return ObservableResNet(stem=stem, blocks=blocks, head=head, mean=mean, std=std, negate_logits=negate_logits)
+    return ObservableResNet(
+        stem=stem, blocks=blocks, head=head, mean=mean, std=std, negate_logits=negate_logits
+    )
 
 
-def _preact_basic(cin: int, cout: int, stride: int, *, h: float, dropout: float = 0.0) -> ResidualBlock:
+def _preact_basic(
+    cin: int, cout: int, stride: int, *, h: float, dropout: float = 0.0
+) -> ResidualBlock:
     layers: list[nn.Module] = [
         nn.BatchNorm2d(cin),
         nn.ReLU(),
@@ -288,9 +302,15 @@ def _preact_network(
             blocks.append(_preact_basic(cin, cout, stride, h=h, dropout=dropout))
             cin = cout
     head = nn.Sequential(
-        nn.BatchNorm2d(cin), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)
+        nn.BatchNorm2d(cin),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(cin, num_classes),
     )
-    return ObservableResNet(stem=stem, blocks=blocks, head=head, mean=mean, std=std, negate_logits=negate_logits)
+    return ObservableResNet(
+        stem=stem, blocks=blocks, head=head, mean=mean, std=std, negate_logits=negate_logits
+    )
 
 
 @register_model("resnet110")
@@ -352,7 +372,9 @@ def wide_resnet(
     )
 
 
-def _resnext_bottleneck(cin: int, cout: int, stride: int, *, cardinality: int, group_width: int, h: float) -> ResidualBlock:
+def _resnext_bottleneck(
+    cin: int, cout: int, stride: int, *, cardinality: int, group_width: int, h: float
+) -> ResidualBlock:
     inner = cardinality * group_width
     branch = nn.Sequential(
         *_conv_bn(cin, inner, kernel=1),
@@ -390,10 +412,16 @@ def resnext50(
         width = group_width * (2**stage)
         for b in range(count):
             stride = 2 if (stage > 0 and b == 0) else 1
-            blocks.append(_resnext_bottleneck(cin, cout, stride, cardinality=cardinality, group_width=width, h=h))
+            blocks.append(
+                _resnext_bottleneck(
+                    cin, cout, stride, cardinality=cardinality, group_width=width, h=h
+                )
+            )
             cin = cout
     head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
-    return ObservableResNet(stem=stem, blocks=blocks, head=head, mean=mean, std=std, negate_logits=negate_logits)
+    return ObservableResNet(
+        stem=stem, blocks=blocks, head=head, mean=mean, std=std, negate_logits=negate_logits
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,11 +442,15 @@ def build_network(config: NetworkConfig) -> ObservableResNet:
     return model
 
 
-def save(model: ObservableResNet, directory: str | Path, config: NetworkConfig | None = None) -> Path:
+def save(
+    model: ObservableResNet, directory: str | Path, config: NetworkConfig | None = None
+) -> Path:
     """Write ``model.safetensors`` + ``config.json`` into ``directory`` (created if needed)."""
     config = config or model.config
     if config is None:
-        raise ConfigError("save needs a NetworkConfig: pass one or build the model with build_network")
+        raise ConfigError(
+            "save needs a NetworkConfig: pass one or build the model with build_network"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -435,7 +467,9 @@ def read_config(directory: str | Path) -> NetworkConfig:
     """Read and validate ``config.json`` of a saved network."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
-        raise ArtefactError(f"no network config at {path}: a saved network is a directory with {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise ArtefactError(
+            f"no network config at {path}: a saved network is a directory with {CONFIG_FILE} and {WEIGHTS_FILE}"
+        )
     try:
         return NetworkConfig.model_validate(json.loads(path.read_text()))
     except (json.JSONDecodeError, ValidationError) as error:
@@ -457,7 +491,9 @@ def load(directory: str | Path, *, device: str | torch.device = "cpu") -> Observ
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as error:
-        raise ArtefactError(f"weights {weights} do not match architecture {config.architecture}: {error}") from error
+        raise ArtefactError(
+            f"weights {weights} do not match architecture {config.architecture}: {error}"
+        ) from error
     return model.to(device).eval()
 
 
@@ -472,5 +508,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     except RuntimeError as error:
         raise ConfigError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from error
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} asked for but CUDA is not available; use --device cpu or auto")
+        raise ConfigError(
+            f"device {device!r} asked for but CUDA is not available; use --device cpu or auto"
+        )
     return resolved

@@ -63,7 +63,9 @@ class ResidualTaps:
         modules = dict(model.named_modules())
         missing = [n for n in self.names if n not in modules]
         if missing:
-            raise ConfigError(f"tap modules not found in {type(model).__name__}: {', '.join(missing)}")
+            raise ConfigError(
+                f"tap modules not found in {type(model).__name__}: {', '.join(missing)}"
+            )
         self._modules = [modules[n] for n in self.names]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._outputs: list[Any] = [None] * len(self.names)

@@ -25,7 +25,10 @@ def write_cifar(root: Path, *, n: int = 12, classes: int = 10, seed: int = 0) ->
         label_key = "fine_labels"
     folder.mkdir(parents=True, exist_ok=True)
     for name in files:
-        batch = {"data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8), label_key: rng.integers(0, classes, n).tolist()}
+        batch = {
+            "data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8),
+            label_key: rng.integers(0, classes, n).tolist(),
+        }
         (folder / name).write_bytes(pickle.dumps(batch))
     (folder / meta_name).write_bytes(pickle.dumps(meta))
 
@@ -51,7 +54,9 @@ def write_mnist(root: Path, *, n: int = 12, seed: int = 0) -> None:
         labels = rng.integers(0, 10, size=n, dtype=np.uint8)
         header = np.array([0x803, n, 28, 28], dtype=">i4").tobytes()
         (raw / f"{prefix}-images-idx3-ubyte").write_bytes(header + images.tobytes())
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(np.array([0x801, n], dtype=">i4").tobytes() + labels.tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(
+            np.array([0x801, n], dtype=">i4").tobytes() + labels.tobytes()
+        )
 
 
 def write_tiny_imagenet(root: Path, *, classes: int = 3, per_class: int = 4, seed: int = 0) -> None:
@@ -59,7 +64,15 @@ def write_tiny_imagenet(root: Path, *, classes: int = 3, per_class: int = 4, see
     rng = np.random.default_rng(seed)
     for split in ("train", "val"):
         for c in range(classes):
-            folder = root / "tiny-imagenet-200" / split / f"n{c:08d}" / ("images" if split == "train" else "")
+            folder = (
+                root
+                / "tiny-imagenet-200"
+                / split
+                / f"n{c:08d}"
+                / ("images" if split == "train" else "")
+            )
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(per_class):
-                Image.fromarray(rng.integers(0, 256, size=(64, 64, 3), dtype=np.uint8)).save(folder / f"{i}.JPEG")
+                Image.fromarray(rng.integers(0, 256, size=(64, 64, 3), dtype=np.uint8)).save(
+                    folder / f"{i}.JPEG"
+                )

@@ -102,6 +102,10 @@ def test_ood_sets_take_the_in_distribution_shape(data_root) -> None:
 
 def test_subsets_are_prefixes_of_one_seeded_order(data_root) -> None:
     test = load_dataset("fashion-mnist", "test", root=data_root)
-    small, large, everything = subset(test, 10, seed=5), subset(test, 200, seed=5), subset(test, 10**6, seed=5)
+    small, large, everything = (
+        subset(test, 10, seed=5),
+        subset(test, 200, seed=5),
+        subset(test, 10**6, seed=5),
+    )
     assert small.indices == large.indices[:10] == everything.indices[:10]
     assert sorted(everything.indices) == list(range(len(test)))

@@ -9,11 +9,17 @@ from training.experiments import Samples, Split, run_protocols
 from training.runners import TransportRunner
 
 
-def _samples(name: str, indices: np.ndarray, shift: float, rng: np.random.Generator, success: bool = True) -> Samples:
+def _samples(
+    name: str, indices: np.ndarray, shift: float, rng: np.random.Generator, success: bool = True
+) -> Samples:
     n = len(indices)
     features = rng.normal(shift, 1.0, size=(n, 6)).astype(np.float32)
     return Samples(
-        name, np.zeros((n, 1, 2, 2), np.float32), features, rng.integers(0, 3, n), indices.astype(np.int64),
+        name,
+        np.zeros((n, 1, 2, 2), np.float32),
+        features,
+        rng.integers(0, 3, n),
+        indices.astype(np.int64),
         np.full(n, success) if name not in ("clean",) and shift else None,
     )
 
@@ -24,7 +30,9 @@ class RecordingTransportRunner(TransportRunner):
     fitted_on: list[tuple[int, set[int]]] = []
 
     def fit(self, clean: Samples, abnormal: Samples, seed: int) -> None:
-        seen = set(clean.indices.tolist()) | (set() if abnormal.name == "ood" else set(abnormal.indices.tolist()))
+        seen = set(clean.indices.tolist()) | (
+            set() if abnormal.name == "ood" else set(abnormal.indices.tolist())
+        )
         RecordingTransportRunner.fitted_on.append((seed, seen))
         super().fit(clean, abnormal, seed)
 
@@ -38,7 +46,10 @@ def world() -> tuple[Samples, dict[str, Samples], dict[str, Samples]]:
         "fgm": _samples("fgm", universe, 3.0, rng),
         "cw": _samples("cw", universe[:120], 1.5, rng),  # a smaller subset, like the slow attacks
     }
-    ood = {"digits": _samples("ood", np.arange(80), 4.0, rng), "noise": _samples("ood", np.arange(80), -4.0, rng)}
+    ood = {
+        "digits": _samples("ood", np.arange(80), 4.0, rng),
+        "noise": _samples("ood", np.arange(80), -4.0, rng),
+    }
     return clean, attacks, ood
 
 
@@ -47,20 +58,34 @@ def test_split_sides_are_disjoint_and_sized() -> None:
     assert split.is_test.sum() == 100
     assert not (split.is_test & split.is_calibration).any()
     assert split.is_calibration.sum() == 90
-    assert not np.array_equal(split.is_test, Split(seed=4, test_fraction=0.1, universe=1000).is_test)
+    assert not np.array_equal(
+        split.is_test, Split(seed=4, test_fraction=0.1, universe=1000).is_test
+    )
 
 
 def test_protocols_are_leak_free_and_report_mean_and_std(world) -> None:
     clean, attacks, ood = world
     RecordingTransportRunner.fitted_on = []
     records = run_protocols(
-        model="lap", clean=clean, attacks=attacks, ood_sets=ood, runners=[lambda: RecordingTransportRunner(n_estimators=20)],
-        seen=["fgm", "cw"], unseen_train="fgm", ood_train=["fgm", "digits"], seeds=[0, 1, 2], progress=False,
+        model="lap",
+        clean=clean,
+        attacks=attacks,
+        ood_sets=ood,
+        runners=[lambda: RecordingTransportRunner(n_estimators=20)],
+        seen=["fgm", "cw"],
+        unseen_train="fgm",
+        ood_train=["fgm", "digits"],
+        seeds=[0, 1, 2],
+        progress=False,
     )
     rows = {(r.setting, r.train, r.test): r.row() for r in records}
     assert set(rows) == {
-        ("seen", "fgm", "fgm"), ("seen", "cw", "cw"), ("unseen", "fgm", "cw"),
-        ("ood", "fgm", "digits"), ("ood", "fgm", "noise"), ("ood", "digits", "noise"),
+        ("seen", "fgm", "fgm"),
+        ("seen", "cw", "cw"),
+        ("unseen", "fgm", "cw"),
+        ("ood", "fgm", "digits"),
+        ("ood", "fgm", "noise"),
+        ("ood", "digits", "noise"),
     }
     for row in rows.values():
         assert row["runs"] == 3 and 0 <= row["accuracy_std"] <= 0.5

@@ -15,7 +15,10 @@ from detector.taps import ResidualTaps, default_tap_names
 TINY_ARGUMENTS = {
     "resnet9_mnist": ({"width": 4, "depth": 2, "hidden": 8}, (1, 28, 28)),
     "resnet110": ({"depth": 8, "base_width": 4}, (3, 32, 32)),
-    "resnext50": ({"layers": [1, 1, 1, 1], "cardinality": 2, "group_width": 2, "base_width": 8}, (3, 32, 32)),
+    "resnext50": (
+        {"layers": [1, 1, 1, 1], "cardinality": 2, "group_width": 2, "base_width": 8},
+        (3, 32, 32),
+    ),
     "wide_resnet": ({"depth": 10, "widen_factor": 1}, (3, 64, 64)),
 }
 
@@ -27,7 +30,14 @@ def test_every_registered_architecture_is_covered() -> None:
 @pytest.mark.parametrize("name", sorted(TINY_ARGUMENTS))
 def test_architecture_builds_and_runs_forward(name: str) -> None:
     arguments, shape = TINY_ARGUMENTS[name]
-    model = networks.get_model(name, num_classes=7, in_channels=shape[0], mean=[0.5] * shape[0], std=[0.25] * shape[0], **arguments).eval()
+    model = networks.get_model(
+        name,
+        num_classes=7,
+        in_channels=shape[0],
+        mean=[0.5] * shape[0],
+        std=[0.25] * shape[0],
+        **arguments,
+    ).eval()
     x = torch.rand(2, *shape)
     with ResidualTaps(model) as taps:
         logits = model(x)
@@ -92,7 +102,9 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, tiny_network, tiny_config) 
     tiny_network.eval()
     networks.save(tiny_network, tmp_path / "net", tiny_config)
     loaded = networks.load(tmp_path / "net")
-    for (name, a), (_, b) in zip(tiny_network.state_dict().items(), loaded.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        tiny_network.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
     x = torch.rand(4, 1, 28, 28)
     assert torch.equal(tiny_network(x), loaded(x))
@@ -110,7 +122,9 @@ def test_load_refuses_broken_artefacts(tmp_path, tiny_network, tiny_config) -> N
     (directory / "config.json").write_text(json.dumps({**config, "format_version": 99}))
     with pytest.raises(ArtefactError, match="unknown network format version 99"):
         networks.load(directory)
-    (directory / "config.json").write_text(json.dumps({**config, "arguments": {**config["arguments"], "width": 8}}))
+    (directory / "config.json").write_text(
+        json.dumps({**config, "arguments": {**config["arguments"], "width": 8}})
+    )
     with pytest.raises(ArtefactError, match="do not match"):
         networks.load(directory)
     (directory / "config.json").write_text(json.dumps(config))
@@ -127,7 +141,11 @@ def test_input_spec_validation() -> None:
 def test_rce_networks_return_negated_logits(tiny_config) -> None:
     torch.manual_seed(0)
     plain = networks.build_network(tiny_config).eval()
-    negated = networks.build_network(tiny_config.model_copy(update={"arguments": {**tiny_config.arguments, "negate_logits": True}})).eval()
+    negated = networks.build_network(
+        tiny_config.model_copy(
+            update={"arguments": {**tiny_config.arguments, "negate_logits": True}}
+        )
+    ).eval()
     negated.load_state_dict(plain.state_dict())
     x = torch.rand(2, 1, 28, 28)
     assert torch.equal(negated(x), -plain(x))

@@ -23,8 +23,15 @@ def test_paper_preset_network_trains_a_few_steps(tmp_path, family) -> None:
     preset = get_train_preset(f"{family}-lap")
     assert preset.epochs == 300 and preset.milestones == [150, 225, 250] and preset.augment
     config = preset.model_copy(
-        update={"epochs": 1, "train_subset": 8, "test_subset": 4, "batch_size": 4, "val_fraction": 0.0,
-                "device": "cpu", "verify_data": False}
+        update={
+            "epochs": 1,
+            "train_subset": 8,
+            "test_subset": 4,
+            "batch_size": 4,
+            "val_fraction": 0.0,
+            "device": "cpu",
+            "verify_data": False,
+        }
     )
     last = train(config, tmp_path / "run", root=tmp_path / "data", progress=False)
     assert last["epoch"] == 1 and last["lambda"] > preset.lap.lambda0

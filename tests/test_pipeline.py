@@ -17,7 +17,21 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory, data_root) -> Path:
     run = tmp_path_factory.mktemp("smoke") / "run"
-    assert cli_main(["pipeline", "--preset", "smoke", "--out", str(run), "--root", str(data_root), "--no-progress"]) == 0
+    assert (
+        cli_main(
+            [
+                "pipeline",
+                "--preset",
+                "smoke",
+                "--out",
+                str(run),
+                "--root",
+                str(data_root),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return run
 
 
@@ -26,18 +40,41 @@ def test_results_json_follows_the_design_contract(smoke_run) -> None:
     assert results["preset"] == "smoke" and results["dataset"] == "fashion-mnist"
     for name in ("vanilla", "lap"):
         model = results["models"][name]
-        assert 0.5 < model["test_accuracy"] <= 1 and model["epochs"] == 1 and model["train_seconds"] > 0
+        assert (
+            0.5 < model["test_accuracy"] <= 1
+            and model["epochs"] == 1
+            and model["train_seconds"] > 0
+        )
         fgm = results["attacks"][name]["fgm-eps0.1"]
         assert fgm["n"] == 600 and 0 <= fgm["success_rate"] <= 1 and fgm["seconds"] > 0
-    assert results["models"]["lap"]["transport_cost"] < results["models"]["vanilla"]["transport_cost"]
-    detection_keys = {"model", "detector", "setting", "train_attack", "test_attack", "accuracy", "auroc", "tpr", "fpr",
-                      "successful_attack_detection_rate", "fpr_at_95_tpr", "runs", "accuracy_std"}
+    assert (
+        results["models"]["lap"]["transport_cost"] < results["models"]["vanilla"]["transport_cost"]
+    )
+    detection_keys = {
+        "model",
+        "detector",
+        "setting",
+        "train_attack",
+        "test_attack",
+        "accuracy",
+        "auroc",
+        "tpr",
+        "fpr",
+        "successful_attack_detection_rate",
+        "fpr_at_95_tpr",
+        "runs",
+        "accuracy_std",
+    }
     rows = results["detection"]
-    assert {(r["model"], r["detector"]) for r in rows} == {(m, d) for m in ("vanilla", "lap") for d in ("transport", "mahalanobis", "quantile")}
+    assert {(r["model"], r["detector"]) for r in rows} == {
+        (m, d) for m in ("vanilla", "lap") for d in ("transport", "mahalanobis", "quantile")
+    }
     for row in rows:
         assert detection_keys <= set(row) and row["runs"] == 2 and 0 <= row["accuracy"] <= 1
     seen_transport = [r for r in rows if r["detector"] == "transport" and r["setting"] == "seen"]
-    assert all(r["auroc"] > 0.75 for r in seen_transport)  # FGM ε=0.1 is clearly detectable even on a tiny network
+    assert all(
+        r["auroc"] > 0.75 for r in seen_transport
+    )  # FGM ε=0.1 is clearly detectable even on a tiny network
     ood_keys = {"model", "detector", "train_set", "test_set", "accuracy", "auroc", "fpr_at_95_tpr"}
     assert {r["test_set"] for r in results["ood"]} == {"digits", "noise"}
     assert all(ood_keys <= set(r) for r in results["ood"])
@@ -48,14 +85,18 @@ def test_results_json_follows_the_design_contract(smoke_run) -> None:
 def test_report_and_figures(smoke_run) -> None:
     report = (smoke_run / "report.md").read_text()
     assert "LAP TR" in report and "VAN TR" in report and "FGM ε=0.1" in report
-    for link in [line.split("](")[1].split(")")[0] for line in report.splitlines() if "](figures/" in line]:
+    for link in [
+        line.split("](")[1].split(")")[0] for line in report.splitlines() if "](figures/" in line
+    ]:
         assert (smoke_run / link).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bundle_scores_like_the_evaluation(smoke_run, data_root) -> None:
     guard = Guard.from_bundle(smoke_run / "bundle", device="cpu")
     manifest = guard.manifest
-    assert manifest is not None and manifest.dataset == "fashion-mnist" and 0 < manifest.threshold <= 1
+    assert (
+        manifest is not None and manifest.dataset == "fashion-mnist" and 0 < manifest.threshold <= 1
+    )
     with np.load(smoke_run / "features" / "lap" / "clean.npz", allow_pickle=False) as clean:
         logits = clean["logits"]
     from training.adversarial import attack_images
@@ -67,11 +108,32 @@ def test_bundle_scores_like_the_evaluation(smoke_run, data_root) -> None:
 
 
 def test_rerun_is_a_noop_and_steps_work_alone(smoke_run, tmp_path, data_root, capsys) -> None:
-    cached = [smoke_run / "models" / "lap" / "model.safetensors", smoke_run / "evaluation.json", smoke_run / "detector" / "detector.json",
-              *sorted((smoke_run / "attacks").rglob("*.npz")), *sorted((smoke_run / "features").rglob("*.npz"))]
+    cached = [
+        smoke_run / "models" / "lap" / "model.safetensors",
+        smoke_run / "evaluation.json",
+        smoke_run / "detector" / "detector.json",
+        *sorted((smoke_run / "attacks").rglob("*.npz")),
+        *sorted((smoke_run / "features").rglob("*.npz")),
+    ]
     before = {path: path.stat().st_mtime_ns for path in cached}
-    assert cli_main(["pipeline", "--preset", "smoke", "--out", str(smoke_run), "--root", str(data_root), "--no-progress"]) == 0
-    assert {path: path.stat().st_mtime_ns for path in cached} == before  # nothing trained, attacked or evaluated again
+    assert (
+        cli_main(
+            [
+                "pipeline",
+                "--preset",
+                "smoke",
+                "--out",
+                str(smoke_run),
+                "--root",
+                str(data_root),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert {
+        path: path.stat().st_mtime_ns for path in cached
+    } == before  # nothing trained, attacked or evaluated again
     assert cli_main(["bundle", "--run", str(smoke_run), "--out", str(tmp_path / "b")]) == 0
     assert Guard.from_bundle(tmp_path / "b", device="cpu").threshold > 0
     assert cli_main(["evaluate", "--run", str(smoke_run)]) == 0
@@ -96,7 +158,9 @@ def test_served_bundle_flags_held_out_attacks_at_the_evaluated_rate(smoke_run, d
     assert expected == info["heldout"]["flag_rate"]["fgm-eps0.1"] > 4 * info["heldout"]["fpr"]
     model_dir = smoke_run / "models" / "lap"
     x, y, indices = attack_images(model_dir, n=600, root=data_root)
-    attacked = get_or_generate(smoke_run / "attacks" / "lap", model_dir, x, y, indices, "fgm", {"eps": 0.1}, progress=False)
+    attacked = get_or_generate(
+        smoke_run / "attacks" / "lap", model_dir, x, y, indices, "fgm", {"eps": 0.1}, progress=False
+    )
     split = Split(info["split_seed"], info["test_fraction"], int(indices.max()) + 1)
     held_out = attacked.x_adv[split.is_test[attacked.indices]]
     assert len(held_out) == info["heldout"]["n"]["fgm-eps0.1"]
@@ -104,8 +168,19 @@ def test_served_bundle_flags_held_out_attacks_at_the_evaluated_rate(smoke_run, d
     with LiveServer(Settings(bundle=smoke_run / "bundle", device="cpu")) as live:
         for start in range(0, len(held_out), live.settings.max_images_per_request):
             chunk = held_out[start : start + live.settings.max_images_per_request]
-            request = {"inputs": [{"name": "input", "shape": list(chunk.shape), "datatype": "FP32", "data": chunk.reshape(-1).tolist()}]}
-            response = httpx.post(f"{live.url}/v2/models/{manifest['name']}/infer", json=request, timeout=120)
+            request = {
+                "inputs": [
+                    {
+                        "name": "input",
+                        "shape": list(chunk.shape),
+                        "datatype": "FP32",
+                        "data": chunk.reshape(-1).tolist(),
+                    }
+                ]
+            }
+            response = httpx.post(
+                f"{live.url}/v2/models/{manifest['name']}/infer", json=request, timeout=120
+            )
             assert response.status_code == 200, response.text
             flagged += next(o for o in response.json()["outputs"] if o["name"] == "flagged")["data"]
     assert len(flagged) == len(held_out)

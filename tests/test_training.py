@@ -70,7 +70,9 @@ def test_reverse_cross_entropy_prefers_the_true_class_in_negated_logits() -> Non
 
 def test_unknown_objective() -> None:
     with pytest.raises(ConfigError, match="unknown objective"):
-        compute_loss("adversarial", torch.zeros(1, 2), [torch.zeros(1)], torch.zeros(1, dtype=torch.long))
+        compute_loss(
+            "adversarial", torch.zeros(1, 2), [torch.zeros(1)], torch.zeros(1, dtype=torch.long)
+        )
 
 
 def _tiny_config(**overrides) -> TrainConfig:
@@ -99,7 +101,12 @@ def test_train_writes_a_loadable_network_and_resumes(tmp_path, data_root) -> Non
     assert len((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) == 2
 
     # Interrupted after one epoch, then resumed: the same result as one uninterrupted run.
-    first = train(config.model_copy(update={"epochs": 1}), tmp_path / "resumed", root=data_root, progress=False)
+    first = train(
+        config.model_copy(update={"epochs": 1}),
+        tmp_path / "resumed",
+        root=data_root,
+        progress=False,
+    )
     assert first["epoch"] == 1
     (tmp_path / "resumed" / "train_config.json").write_text(config.model_dump_json())
     (tmp_path / "resumed" / "model.safetensors").unlink()  # as if killed before the end
@@ -113,23 +120,53 @@ def test_train_writes_a_loadable_network_and_resumes(tmp_path, data_root) -> Non
     # A finished run is a no-op; another config in the same directory is refused.
     assert train(config, tmp_path / "full", root=data_root, progress=False) == full
     with pytest.raises(ConfigError, match="another config"):
-        train(config.model_copy(update={"lr": 0.2}), tmp_path / "full", root=data_root, progress=False)
+        train(
+            config.model_copy(update={"lr": 0.2}), tmp_path / "full", root=data_root, progress=False
+        )
 
 
 @pytest.mark.slow
 def test_lap_training_lowers_transport_cost(tmp_path, data_root) -> None:
-    vanilla = train(_tiny_config(objective="vanilla", epochs=1, train_subset=1024), tmp_path / "v", root=data_root, progress=False)
-    lap = train(_tiny_config(objective="lap", epochs=1, train_subset=1024), tmp_path / "l", root=data_root, progress=False)
+    vanilla = train(
+        _tiny_config(objective="vanilla", epochs=1, train_subset=1024),
+        tmp_path / "v",
+        root=data_root,
+        progress=False,
+    )
+    lap = train(
+        _tiny_config(objective="lap", epochs=1, train_subset=1024),
+        tmp_path / "l",
+        root=data_root,
+        progress=False,
+    )
     assert lap["test_transport"] < vanilla["test_transport"]
 
 
 def test_presets_are_valid_and_listed() -> None:
     names = list_train_presets()
-    for expected in ("smoke-vanilla", "smoke-lap", "quick-vanilla", "quick-lap", "paper-cifar10-resnet110-lap"):
+    for expected in (
+        "smoke-vanilla",
+        "smoke-lap",
+        "quick-vanilla",
+        "quick-lap",
+        "paper-cifar10-resnet110-lap",
+    ):
         assert expected in names
     paper = get_train_preset("paper-cifar10-resnet110-lap")
-    assert (paper.lr, paper.milestones, paper.init, paper.init_gain, paper.batch_size, paper.grad_clip) == (
-        0.1, [150, 225, 250], "orthogonal", 0.05, 256, 5.0,
+    assert (
+        paper.lr,
+        paper.milestones,
+        paper.init,
+        paper.init_gain,
+        paper.batch_size,
+        paper.grad_clip,
+    ) == (
+        0.1,
+        [150, 225, 250],
+        "orthogonal",
+        0.05,
+        256,
+        5.0,
     )
     assert get_train_preset("paper-cifar10-resnet110-rce").grad_clip is None
     with pytest.raises(ConfigError, match="unknown training preset 'nope'"):
@@ -152,7 +189,12 @@ def test_bad_config_files(tmp_path) -> None:
 
 def test_missing_data_names_the_path(tmp_path) -> None:
     with pytest.raises(DataNotFoundError, match=str(tmp_path)):
-        train(_tiny_config(dataset="cifar10", arguments={}, architecture="resnet110"), tmp_path / "out", root=tmp_path, progress=False)
+        train(
+            _tiny_config(dataset="cifar10", arguments={}, architecture="resnet110"),
+            tmp_path / "out",
+            root=tmp_path,
+            progress=False,
+        )
 
 
 def test_cli_errors_are_one_clear_line(tmp_path, capsys) -> None:

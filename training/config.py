@@ -59,9 +59,13 @@ class TrainConfig(BaseModel):
         from training.data import DATASETS
 
         if self.architecture not in list_models():
-            raise ValueError(f"unknown architecture {self.architecture!r}; registered: {', '.join(list_models())}")
+            raise ValueError(
+                f"unknown architecture {self.architecture!r}; registered: {', '.join(list_models())}"
+            )
         if self.dataset not in DATASETS:
-            raise ValueError(f"unknown data set {self.dataset!r}; known: {', '.join(sorted(DATASETS))}")
+            raise ValueError(
+                f"unknown data set {self.dataset!r}; known: {', '.join(sorted(DATASETS))}"
+            )
         if sorted(self.milestones) != self.milestones:
             raise ValueError("milestones must be increasing epochs")
         if self.objective == "lap-fixed" and self.lap.tau != 0:

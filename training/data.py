@@ -52,7 +52,11 @@ class DatasetInfo:
 
     def input_spec(self) -> InputSpec:
         return InputSpec(
-            channels=self.channels, height=self.height, width=self.width, mean=list(self.mean), std=list(self.std)
+            channels=self.channels,
+            height=self.height,
+            width=self.width,
+            mean=list(self.mean),
+            std=list(self.std),
         )
 
 
@@ -80,15 +84,21 @@ class _CIFAR100Files(datasets.CIFAR100):
 
 
 class _SVHNFiles(datasets.SVHN):
-    split_list = {split: [url, name, None] for split, (url, name, _) in datasets.SVHN.split_list.items()}
+    split_list = {
+        split: [url, name, None] for split, (url, name, _) in datasets.SVHN.split_list.items()
+    }
 
 
 def _fashion_mnist(root: Path, split: str, download: bool, verify: bool) -> Dataset:
-    return datasets.FashionMNIST(str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download)
+    return datasets.FashionMNIST(
+        str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download
+    )
 
 
 def _mnist(root: Path, split: str, download: bool, verify: bool) -> Dataset:
-    return datasets.MNIST(str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download)
+    return datasets.MNIST(
+        str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download
+    )
 
 
 def _cifar10(root: Path, split: str, download: bool, verify: bool) -> Dataset:
@@ -111,7 +121,10 @@ def _imagefolder(root: Path, split: str, download: bool, verify: bool) -> Datase
     # TinyImageNet-style layout: ROOT/tiny-imagenet-200/{train,val}/<class>/**/*.JPEG, or any
     # ROOT/imagefolder/{train,test}/<class>/*.png. Validation folders must be sorted by class.
     _split_flag(split)
-    for base, folder in ((root / "tiny-imagenet-200", {"train": "train", "test": "val"}[split]), (root / "imagefolder", split)):
+    for base, folder in (
+        (root / "tiny-imagenet-200", {"train": "train", "test": "val"}[split]),
+        (root / "imagefolder", split),
+    ):
         path = base / folder
         if path.is_dir():
             transform = transforms.Compose([transforms.Resize((64, 64)), transforms.ToTensor()])
@@ -122,23 +135,79 @@ def _imagefolder(root: Path, split: str, download: bool, verify: bool) -> Datase
     )
 
 
-FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
-CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+FASHION_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
+CIFAR10_CLASSES = (
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
 
 DATASETS: dict[str, DatasetInfo] = {
     info.name: info
     for info in (
-        DatasetInfo("fashion-mnist", 1, 28, 28, (0.2860,), (0.3530,), FASHION_CLASSES, _fashion_mnist),
-        DatasetInfo("mnist", 1, 28, 28, (0.1307,), (0.3081,), tuple(str(i) for i in range(10)), _mnist),
-        DatasetInfo("cifar10", 3, 32, 32, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), CIFAR10_CLASSES, _cifar10),
         DatasetInfo(
-            "cifar100", 3, 32, 32, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762),
-            tuple(f"class_{i}" for i in range(100)), _cifar100,
+            "fashion-mnist", 1, 28, 28, (0.2860,), (0.3530,), FASHION_CLASSES, _fashion_mnist
         ),
-        DatasetInfo("svhn", 3, 32, 32, (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970), tuple(str(i) for i in range(10)), _svhn),
         DatasetInfo(
-            "imagefolder", 3, 64, 64, (0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821),
-            tuple(f"class_{i}" for i in range(200)), _imagefolder,
+            "mnist", 1, 28, 28, (0.1307,), (0.3081,), tuple(str(i) for i in range(10)), _mnist
+        ),
+        DatasetInfo(
+            "cifar10",
+            3,
+            32,
+            32,
+            (0.4914, 0.4822, 0.4465),
+            (0.2470, 0.2435, 0.2616),
+            CIFAR10_CLASSES,
+            _cifar10,
+        ),
+        DatasetInfo(
+            "cifar100",
+            3,
+            32,
+            32,
+            (0.5071, 0.4865, 0.4409),
+            (0.2673, 0.2564, 0.2762),
+            tuple(f"class_{i}" for i in range(100)),
+            _cifar100,
+        ),
+        DatasetInfo(
+            "svhn",
+            3,
+            32,
+            32,
+            (0.4377, 0.4438, 0.4728),
+            (0.1980, 0.2010, 0.1970),
+            tuple(str(i) for i in range(10)),
+            _svhn,
+        ),
+        DatasetInfo(
+            "imagefolder",
+            3,
+            64,
+            64,
+            (0.4802, 0.4481, 0.3975),
+            (0.2770, 0.2691, 0.2821),
+            tuple(f"class_{i}" for i in range(200)),
+            _imagefolder,
         ),
     )
 }
@@ -154,7 +223,12 @@ def dataset_info(name: str) -> DatasetInfo:
 
 
 def load_dataset(
-    name: str, split: str = "train", *, root: str | Path | None = None, download: bool = False, verify: bool = True
+    name: str,
+    split: str = "train",
+    *,
+    root: str | Path | None = None,
+    download: bool = False,
+    verify: bool = True,
 ) -> Dataset:
     """A torchvision data set by name; a missing data set is a DataNotFoundError naming the path.
 
@@ -166,8 +240,14 @@ def load_dataset(
     try:
         dataset = info.loader(root, split, download, verify)
     except RuntimeError as error:  # torchvision: "Dataset not found or corrupted..."
-        hint = "run `make data` (or `lapguard data`)" if name == "fashion-mnist" else "pass --download on a machine with internet"
-        raise DataNotFoundError(f"data set {name!r} ({split}) not found under {root.resolve()}: {error} — {hint}") from error
+        hint = (
+            "run `make data` (or `lapguard data`)"
+            if name == "fashion-mnist"
+            else "pass --download on a machine with internet"
+        )
+        raise DataNotFoundError(
+            f"data set {name!r} ({split}) not found under {root.resolve()}: {error} — {hint}"
+        ) from error
     return dataset
 
 
@@ -201,7 +281,9 @@ def subset(dataset: Dataset, n: int | None, seed: int) -> Dataset:
     return Subset(dataset, torch.randperm(total, generator=generator)[: min(n, total)].tolist())
 
 
-def to_arrays(dataset: Dataset, n: int | None = None, *, seed: int = 0, batch_size: int = 1000) -> tuple[np.ndarray, np.ndarray]:
+def to_arrays(
+    dataset: Dataset, n: int | None = None, *, seed: int = 0, batch_size: int = 1000
+) -> tuple[np.ndarray, np.ndarray]:
     """(images float32 NCHW in [0, 1], labels int64) for the first ``n`` items of a seeded order."""
     chosen = subset(dataset, n, seed) if n is not None else dataset
     loader = torch.utils.data.DataLoader(chosen, batch_size=batch_size, shuffle=False)
@@ -212,7 +294,9 @@ def to_arrays(dataset: Dataset, n: int | None = None, *, seed: int = 0, batch_si
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def load_ood(name: str, spec: InputSpec, n: int, *, seed: int = 0, root: str | Path | None = None) -> np.ndarray:
+def load_ood(
+    name: str, spec: InputSpec, n: int, *, seed: int = 0, root: str | Path | None = None
+) -> np.ndarray:
     """An out-of-distribution set shaped like ``spec``: ``digits`` (scikit-learn's bundled 8x8
     digits, resized), ``noise`` (uniform), or any named data set (resized/converted)."""
     rng = np.random.default_rng(seed)
@@ -228,9 +312,15 @@ def load_ood(name: str, spec: InputSpec, n: int, *, seed: int = 0, root: str | P
     else:
         x_np, _ = to_arrays(load_dataset(name, "test", root=root), n, seed=seed)
         x = torch.from_numpy(x_np)
-    x = torch.nn.functional.interpolate(x, size=(spec.height, spec.width), mode="bilinear", align_corners=False)
+    x = torch.nn.functional.interpolate(
+        x, size=(spec.height, spec.width), mode="bilinear", align_corners=False
+    )
     if x.shape[1] != spec.channels:
-        x = x.mean(dim=1, keepdim=True) if spec.channels == 1 else x.expand(-1, spec.channels, -1, -1)
+        x = (
+            x.mean(dim=1, keepdim=True)
+            if spec.channels == 1
+            else x.expand(-1, spec.channels, -1, -1)
+        )
     return x.clamp(0, 1).numpy().astype(np.float32)
 
 
@@ -255,7 +345,9 @@ def _install_debian_package() -> str | None:
     return None
 
 
-def prepare_fashion_mnist(root: str | Path | None = None, *, source: Path = DEBIAN_FASHION_MNIST, install: bool = True) -> Path:
+def prepare_fashion_mnist(
+    root: str | Path | None = None, *, source: Path = DEBIAN_FASHION_MNIST, install: bool = True
+) -> Path:
     """Lay out Fashion-MNIST as torchvision expects (ROOT/FashionMNIST/raw/ with decompressed idx
     files) from Debian's package, installing it when possible. Returns the raw folder."""
     root = Path(root) if root is not None else default_root()

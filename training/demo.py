@@ -25,7 +25,9 @@ def _save_png(image: np.ndarray, path: Path) -> Path:
     return path
 
 
-def write_demo_samples(config: PipelineConfig, run: Path, out: Path, *, root: Path | None = None) -> dict[str, Path]:
+def write_demo_samples(
+    config: PipelineConfig, run: Path, out: Path, *, root: Path | None = None
+) -> dict[str, Path]:
     """``clean.png``: a correctly classified test image the bundle does not flag; ``adversarial.png``:
     its attacked copy (8-bit, as a client sends it) that fools the network and is flagged."""
     model_dir = run / "models" / config.deploy_model
@@ -33,15 +35,30 @@ def write_demo_samples(config: PipelineConfig, run: Path, out: Path, *, root: Pa
     spec = next(a for a in config.attacks if a.key == key)
     x, y, indices = adversarial.attack_images(model_dir, n=spec.n, root=root)
     attacked = adversarial.get_or_generate(
-        run / "attacks" / config.deploy_model, model_dir, x, y, indices, spec.attack, spec.params, progress=False
+        run / "attacks" / config.deploy_model,
+        model_dir,
+        x,
+        y,
+        indices,
+        spec.attack,
+        spec.params,
+        progress=False,
     )
     rows = np.arange(len(x))[-CANDIDATES:]  # the last rows of the seeded order
     clean, adv = _as_8bit(x[rows]), _as_8bit(attacked.x_adv[rows])
     guard = Guard.from_bundle(run / "bundle", device="cpu")
     on_clean, on_adv = guard.predict(clean), guard.predict(adv)
-    good = (on_clean.labels == y[rows]) & ~on_clean.flagged & (on_adv.labels != y[rows]) & on_adv.flagged
+    good = (
+        (on_clean.labels == y[rows])
+        & ~on_clean.flagged
+        & (on_adv.labels != y[rows])
+        & on_adv.flagged
+    )
     out.mkdir(parents=True, exist_ok=True)
     if not good.any():
         return {"clean": _save_png(clean[0], out / "clean.png")}
     pick = int(np.flatnonzero(good)[0])
-    return {"clean": _save_png(clean[pick], out / "clean.png"), "adversarial": _save_png(adv[pick], out / "adversarial.png")}
+    return {
+        "clean": _save_png(clean[pick], out / "clean.png"),
+        "adversarial": _save_png(adv[pick], out / "adversarial.png"),
+    }

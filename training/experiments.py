@@ -26,7 +26,16 @@ from detector.calibration import calibrate_threshold
 from detector.metrics import detection_metrics
 
 CALIBRATION_FRACTION = 0.1
-METRIC_KEYS = ("accuracy", "auroc", "tpr", "fpr", "successful_attack_detection_rate", "fpr_at_95_tpr", "calibrated_tpr", "calibrated_fpr")
+METRIC_KEYS = (
+    "accuracy",
+    "auroc",
+    "tpr",
+    "fpr",
+    "successful_attack_detection_rate",
+    "fpr_at_95_tpr",
+    "calibrated_tpr",
+    "calibrated_fpr",
+)
 
 
 @dataclass
@@ -39,12 +48,19 @@ class Samples:
     predicted: np.ndarray  # the network's predicted labels [N]
     indices: np.ndarray  # source test-image index per row (OOD sets: their own 0..N-1)
     success: np.ndarray | None = None  # attack success per row (adversarial sets only)
-    extra: dict[str, np.ndarray] = field(default_factory=dict)  # other detectors' row-aligned features
+    extra: dict[str, np.ndarray] = field(
+        default_factory=dict
+    )  # other detectors' row-aligned features
 
     def take(self, mask: np.ndarray) -> Samples:
         return Samples(
-            self.name, self.images[mask], self.features[mask], self.predicted[mask], self.indices[mask],
-            None if self.success is None else self.success[mask], {k: v[mask] for k, v in self.extra.items()},
+            self.name,
+            self.images[mask],
+            self.features[mask],
+            self.predicted[mask],
+            self.indices[mask],
+            None if self.success is None else self.success[mask],
+            {k: v[mask] for k, v in self.extra.items()},
         )
 
     def __len__(self) -> int:
@@ -71,7 +87,9 @@ class DetectorRunner(Protocol):
     """What an experiment needs of a detector: fit on clean vs abnormal, then score (higher = abnormal)."""
 
     name: str
-    default_threshold: float | None  # the detector's own decision (forest vote); None: use the calibrated one
+    default_threshold: (
+        float | None
+    )  # the detector's own decision (forest vote); None: use the calibrated one
 
     def fit(self, clean: Samples, abnormal: Samples, seed: int) -> None: ...
 
@@ -95,7 +113,9 @@ class Split:
         # Calibration: a slice of the training side, never used to fit.
         self.is_calibration = np.zeros(self.universe, dtype=bool)
         train_order = order[n_test:]
-        self.is_calibration[train_order[: int(round(len(train_order) * CALIBRATION_FRACTION))]] = True
+        self.is_calibration[train_order[: int(round(len(train_order) * CALIBRATION_FRACTION))]] = (
+            True
+        )
 
     def train(self, samples: Samples) -> Samples:
         return samples.take(~self.is_test[samples.indices] & ~self.is_calibration[samples.indices])
@@ -130,7 +150,9 @@ def _fit_and_evaluate(
     return _evaluate_fitted(runner, calibration_clean, test_clean, test_abnormal, target_fpr)
 
 
-def _balanced(clean: Samples, abnormal: Samples, rng: np.random.Generator) -> tuple[Samples, Samples]:
+def _balanced(
+    clean: Samples, abnormal: Samples, rng: np.random.Generator
+) -> tuple[Samples, Samples]:
     """Trim the larger side so both have the same count (the seed's balanced sets)."""
     n = min(len(clean), len(abnormal))
     pick = lambda s: s if len(s) == n else s.take(np.sort(rng.choice(len(s), n, replace=False)))  # noqa: E731
@@ -150,7 +172,11 @@ class ExperimentRecord:
 
     def row(self) -> dict[str, Any]:
         keys = [k for k in METRIC_KEYS if all(k in o.metrics for o in self.outcomes)]
-        row: dict[str, Any] = {"model": self.model, "detector": self.detector, "setting": self.setting}
+        row: dict[str, Any] = {
+            "model": self.model,
+            "detector": self.detector,
+            "setting": self.setting,
+        }
         if self.setting == "ood":
             row.update(train_set=self.train, test_set=self.test)
         else:
@@ -189,11 +215,18 @@ def run_protocols(
     universe = int(max(clean.indices.max(), *(a.indices.max() for a in attacks.values()))) + 1
     records: dict[tuple[str, str, str, str], ExperimentRecord] = {}
     jobs = len(seeds) * len(runners) * (len(seen) + (1 if unseen_train else 0) + len(ood_train))
-    bar = tqdm(total=jobs, desc=f"detection experiments ({model})", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=jobs,
+        desc=f"detection experiments ({model})",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
 
     def record(detector: str, setting: str, train: str, test: str, outcome: Outcome) -> None:
         key = (detector, setting, train, test)
-        records.setdefault(key, ExperimentRecord(model, detector, setting, train, test)).outcomes.append(outcome)
+        records.setdefault(
+            key, ExperimentRecord(model, detector, setting, train, test)
+        ).outcomes.append(outcome)
 
     for seed in seeds:
         split = Split(seed, test_fraction, universe)
@@ -209,23 +242,38 @@ def run_protocols(
             for key in seen:
                 train_clean, train_abnormal = _paired(train_clean_all, split.train(attacks[key]))
                 test_clean, test_abnormal = _paired(test_clean_all, split.test(attacks[key]))
-                outcome = _fit_and_evaluate(runner, train_clean, train_abnormal, calibration_clean, test_clean, test_abnormal, seed, target_fpr)
+                outcome = _fit_and_evaluate(
+                    runner,
+                    train_clean,
+                    train_abnormal,
+                    calibration_clean,
+                    test_clean,
+                    test_abnormal,
+                    seed,
+                    target_fpr,
+                )
                 record(runner.name, "seen", key, key, outcome)
                 bar.update()
             if unseen_train:
-                train_clean, train_abnormal = _paired(train_clean_all, split.train(attacks[unseen_train]))
+                train_clean, train_abnormal = _paired(
+                    train_clean_all, split.train(attacks[unseen_train])
+                )
                 runner.fit(train_clean, train_abnormal, seed)
                 for key in attacks:
                     if key == unseen_train:
                         continue
                     test_clean, test_abnormal = _paired(test_clean_all, split.test(attacks[key]))
-                    outcome = _evaluate_fitted(runner, calibration_clean, test_clean, test_abnormal, target_fpr)
+                    outcome = _evaluate_fitted(
+                        runner, calibration_clean, test_clean, test_abnormal, target_fpr
+                    )
                     record(runner.name, "unseen", unseen_train, key, outcome)
                 bar.update()
             for train_key in ood_train:
                 source = attacks[train_key] if train_key in attacks else ood_sets[train_key]
                 if train_key in attacks:
-                    train_clean, train_abnormal = _paired(train_clean_all, split.train(attacks[train_key]))
+                    train_clean, train_abnormal = _paired(
+                        train_clean_all, split.train(attacks[train_key])
+                    )
                 else:
                     train_abnormal = _positional_half(source, seed, first=True)
                     train_clean, train_abnormal = _balanced(train_clean_all, train_abnormal, rng)
@@ -235,7 +283,9 @@ def run_protocols(
                         continue
                     test_ood = _positional_half(ood, seed, first=False) if ood is source else ood
                     test_clean, test_ood = _balanced(test_clean_all, test_ood, rng)
-                    outcome = _evaluate_fitted(runner, calibration_clean, test_clean, test_ood, target_fpr)
+                    outcome = _evaluate_fitted(
+                        runner, calibration_clean, test_clean, test_ood, target_fpr
+                    )
                     record(runner.name, "ood", train_key, test_key, outcome)
                 bar.update()
     bar.close()
@@ -254,18 +304,34 @@ def _positional_half(samples: Samples, seed: int, *, first: bool) -> Samples:
 
 
 def _evaluate_fitted(
-    runner: DetectorRunner, calibration_clean: Samples, test_clean: Samples, test_abnormal: Samples, target_fpr: float
+    runner: DetectorRunner,
+    calibration_clean: Samples,
+    test_clean: Samples,
+    test_abnormal: Samples,
+    target_fpr: float,
 ) -> Outcome:
     """Metrics of a fitted runner on a balanced test set, at its own decision and at the threshold
     calibrated on held-out clean samples of the training side."""
     calibrated = calibrate_threshold(runner.score(calibration_clean), target_fpr)
-    scores = np.concatenate([runner.score(test_clean), runner.score(test_abnormal)]).astype(np.float32)
-    is_abnormal = np.concatenate([np.zeros(len(test_clean), bool), np.ones(len(test_abnormal), bool)])
+    scores = np.concatenate([runner.score(test_clean), runner.score(test_abnormal)]).astype(
+        np.float32
+    )
+    is_abnormal = np.concatenate(
+        [np.zeros(len(test_clean), bool), np.ones(len(test_abnormal), bool)]
+    )
     success = None
     if test_abnormal.success is not None:
-        success = np.concatenate([np.zeros(len(test_clean), bool), test_abnormal.success.astype(bool)])
+        success = np.concatenate(
+            [np.zeros(len(test_clean), bool), test_abnormal.success.astype(bool)]
+        )
     threshold = runner.default_threshold if runner.default_threshold is not None else calibrated
-    metrics = {k: float(v) for k, v in detection_metrics(is_abnormal, scores, threshold, attack_success=success).items() if v is not None}
+    metrics = {
+        k: float(v)
+        for k, v in detection_metrics(
+            is_abnormal, scores, threshold, attack_success=success
+        ).items()
+        if v is not None
+    }
     at_calibrated = detection_metrics(is_abnormal, scores, calibrated)
     metrics["calibrated_tpr"] = float(at_calibrated["tpr"])
     metrics["calibrated_fpr"] = float(at_calibrated["fpr"])

@@ -13,7 +13,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_training_curve(steps: Sequence[dict[str, Any]], epochs: Sequence[dict[str, Any]], path: str | Path) -> Path:
+def plot_training_curve(
+    steps: Sequence[dict[str, Any]], epochs: Sequence[dict[str, Any]], path: str | Path
+) -> Path:
     """Loss terms, lambda and accuracies over training (steps logged every few batches)."""
     path = Path(path)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))

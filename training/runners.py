@@ -33,7 +33,9 @@ class TransportRunner:
         self.detector: TransportDetector | None = None
 
     def fit(self, clean: Samples, abnormal: Samples, seed: int) -> None:
-        self.detector = TransportDetector(n_estimators=self.n_estimators, random_state=seed, n_jobs=-1).fit(
+        self.detector = TransportDetector(
+            n_estimators=self.n_estimators, random_state=seed, n_jobs=-1
+        ).fit(
             np.concatenate([clean.features, abnormal.features]),
             _labels(clean, abnormal),
             np.concatenate([clean.predicted, abnormal.predicted]),
@@ -74,20 +76,26 @@ class MahalanobisRunner:
     default_threshold: float | None = VOTE_THRESHOLD
 
     def __init__(self, statistics: MahalanobisDetector) -> None:
-        self.statistics = statistics  # fitted with fit_clean on clean training images, shared across fits
+        self.statistics = (
+            statistics  # fitted with fit_clean on clean training images, shared across fits
+        )
         self.detector: MahalanobisDetector | None = None
 
     def fit(self, clean: Samples, abnormal: Samples, seed: int) -> None:
         detector = self.statistics.copy_statistics(random_state=seed, n_jobs=-1)
         features = {
-            float(m): np.concatenate([clean.extra[mahalanobis_key(m)], abnormal.extra[mahalanobis_key(m)]])
+            float(m): np.concatenate(
+                [clean.extra[mahalanobis_key(m)], abnormal.extra[mahalanobis_key(m)]]
+            )
             for m in detector.magnitudes
         }
         self.detector = detector.fit_features(features, _labels(clean, abnormal))
 
     def score(self, samples: Samples) -> np.ndarray:
         assert self.detector is not None, "fit first"
-        return self.detector.score_features(samples.extra[mahalanobis_key(self.detector.magnitude_)])
+        return self.detector.score_features(
+            samples.extra[mahalanobis_key(self.detector.magnitude_)]
+        )
 
 
 class NSSRunner:
@@ -98,14 +106,18 @@ class NSSRunner:
         self.detector: NSSDetector | None = None
 
     def fit(self, clean: Samples, abnormal: Samples, seed: int) -> None:
-        self.detector = NSSDetector(random_state=seed).fit(np.concatenate([clean.images, abnormal.images]), _labels(clean, abnormal))
+        self.detector = NSSDetector(random_state=seed).fit(
+            np.concatenate([clean.images, abnormal.images]), _labels(clean, abnormal)
+        )
 
     def score(self, samples: Samples) -> np.ndarray:
         assert self.detector is not None, "fit first"
         return self.detector.score(samples.images)
 
 
-def runner_factories(names: list[str], *, mahalanobis_statistics: MahalanobisDetector | None = None) -> list[Callable[[], DetectorRunner]]:
+def runner_factories(
+    names: list[str], *, mahalanobis_statistics: MahalanobisDetector | None = None
+) -> list[Callable[[], DetectorRunner]]:
     """One factory per detector name; Mahalanobis needs statistics from ``fit_clean`` (built once)."""
     factories: list[Callable[[], DetectorRunner]] = []
     for name in names:
@@ -117,7 +129,9 @@ def runner_factories(names: list[str], *, mahalanobis_statistics: MahalanobisDet
             factories.append(NSSRunner)
         elif name == "mahalanobis":
             if mahalanobis_statistics is None:
-                raise ValueError("the mahalanobis runner needs statistics fitted with MahalanobisDetector.fit_clean")
+                raise ValueError(
+                    "the mahalanobis runner needs statistics fitted with MahalanobisDetector.fit_clean"
+                )
             factories.append(lambda s=mahalanobis_statistics: MahalanobisRunner(s))
         else:
             raise ValueError(f"unknown detector {name!r}")

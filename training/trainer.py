@@ -113,7 +113,11 @@ def train_one_epoch(
     """One pass over ``loader``; returns mean loss terms and accuracy. LAP updates lambda per step."""
     model.train()
     totals = {"loss": 0.0, "task_loss": 0.0, "transport": 0.0, "correct": 0.0, "count": 0.0}
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp and device.type == "cuda" else nullcontext()
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if amp and device.type == "cuda"
+        else nullcontext()
+    )
     bar = tqdm(loader, desc=description, leave=False, disable=not progress, dynamic_ncols=True)
     network = model.module if isinstance(model, DistributedDataParallel) else model
     with ResidualTaps(network) as taps:
@@ -141,9 +145,16 @@ def train_one_epoch(
             totals["count"] += n
             if step_log is not None and batch_index % STEP_LOG_EVERY == 0:
                 step_log.append(
-                    {"step": batch_index, "task_loss": task, "transport": terms.transport.item(), "lambda": multiplier.value}
+                    {
+                        "step": batch_index,
+                        "task_loss": task,
+                        "transport": terms.transport.item(),
+                        "lambda": multiplier.value,
+                    }
                 )
-            bar.set_postfix(loss=f"{task:.3f}", C=f"{terms.transport.item():.3f}", lam=f"{multiplier.value:.1f}")
+            bar.set_postfix(
+                loss=f"{task:.3f}", C=f"{terms.transport.item():.3f}", lam=f"{multiplier.value:.1f}"
+            )
     if _distributed():  # sums over every rank's share
         summed = torch.tensor(list(totals.values()), dtype=torch.float64, device=device)
         dist.all_reduce(summed)
@@ -158,7 +169,9 @@ def train_one_epoch(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> dict[str, float | None]:
+def evaluate(
+    model: nn.Module, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> dict[str, float | None]:
     """Accuracy and transport cost (sum over blocks of mean r^2) of ``model`` in eval mode."""
     model.eval()
     correct = count = 0
@@ -176,7 +189,9 @@ def evaluate(model: nn.Module, loader: Iterable[tuple[torch.Tensor, torch.Tensor
     return {"accuracy": correct / count, "transport": transport_sum / count}
 
 
-def _save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def _save_checkpoint(
+    out: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
     tensors = {f"model.{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     optim_state = optimizer.state_dict()
     for index, param_state in optim_state["state"].items():
@@ -192,13 +207,19 @@ def _save_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     tmp_state.replace(out / CHECKPOINT_STATE)
 
 
-def _load_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _load_checkpoint(
+    out: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     try:
         state = json.loads((out / CHECKPOINT_STATE).read_text())
         tensors = load_file(str(out / CHECKPOINT_WEIGHTS))
     except (OSError, ValueError, json.JSONDecodeError) as error:
-        raise ArtefactError(f"checkpoint in {out} is unreadable ({error}); delete {CHECKPOINT_STATE} to start over") from error
-    model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+        raise ArtefactError(
+            f"checkpoint in {out} is unreadable ({error}); delete {CHECKPOINT_STATE} to start over"
+        ) from error
+    model.load_state_dict(
+        {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    )
     optim_state: dict[str, Any] = {"state": {}, "param_groups": state.pop("param_groups")}
     for key, value in tensors.items():
         if key.startswith("optim."):
@@ -214,27 +235,44 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _loaders(config: TrainConfig, root: str | Path | None, world_size: int = 1) -> tuple[DataLoader, DataLoader, DataLoader, list[str]]:
+def _loaders(
+    config: TrainConfig, root: str | Path | None, world_size: int = 1
+) -> tuple[DataLoader, DataLoader, DataLoader, list[str]]:
     full_train = load_dataset(config.dataset, "train", root=root, verify=config.verify_data)
     names = class_names(config.dataset, full_train)
     train_set, val_set = train_val_split(full_train, config.val_fraction, config.seed)
     train_set = subset(train_set, config.train_subset, config.seed)
     if config.train_subset is not None:
         val_set = subset(val_set, max(config.train_subset // 10, 1), config.seed)
-    test_set: Dataset = subset(load_dataset(config.dataset, "test", root=root, verify=config.verify_data), config.test_subset, config.seed)
+    test_set: Dataset = subset(
+        load_dataset(config.dataset, "test", root=root, verify=config.verify_data),
+        config.test_subset,
+        config.seed,
+    )
     common = {"batch_size": config.batch_size, "num_workers": config.num_workers}
     generator = torch.Generator().manual_seed(config.seed)
     if world_size > 1:  # this rank's share of the seeded order (seed * 1000 + epoch, set per epoch)
-        sampler = DistributedSampler(train_set, shuffle=True, seed=config.seed * 1000, drop_last=False)
+        sampler = DistributedSampler(
+            train_set, shuffle=True, seed=config.seed * 1000, drop_last=False
+        )
         per_rank = dict(common, batch_size=math.ceil(config.batch_size / world_size))
         train_loader = DataLoader(train_set, sampler=sampler, drop_last=False, **per_rank)
     else:
-        train_loader = DataLoader(train_set, shuffle=True, drop_last=False, generator=generator, **common)
+        train_loader = DataLoader(
+            train_set, shuffle=True, drop_last=False, generator=generator, **common
+        )
     eval_common = dict(common, batch_size=max(config.batch_size, 256))
-    return train_loader, DataLoader(val_set, **eval_common), DataLoader(test_set, **eval_common), names
+    return (
+        train_loader,
+        DataLoader(val_set, **eval_common),
+        DataLoader(test_set, **eval_common),
+        names,
+    )
 
 
-def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+def train(
+    config: TrainConfig, out: str | Path, *, root: str | Path | None = None, progress: bool = True
+) -> dict[str, Any]:
     """Train (or resume, or skip if finished) the network ``config`` describes into ``out``.
 
     Returns the last epoch's metrics. Re-running with the same config resumes from the last saved
@@ -247,7 +285,9 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
     if config_path.is_file():
         saved = TrainConfig.model_validate_json(config_path.read_text())
         if saved.fingerprint() != config.fingerprint():
-            raise ConfigError(f"{out} already holds a network trained with another config; choose a new --out")
+            raise ConfigError(
+                f"{out} already holds a network trained with another config; choose a new --out"
+            )
     elif rank == 0:  # written whole, then renamed: other ranks never read half a file
         config_path.with_suffix(".json.tmp").write_text(config.model_dump_json(indent=2))
         config_path.with_suffix(".json.tmp").replace(config_path)
@@ -266,7 +306,9 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
     info = dataset_info(config.dataset)
     net_config = networks.NetworkConfig(
         architecture=config.architecture,
-        arguments=dict(config.arguments, **({"negate_logits": True} if config.objective == "rce" else {})),
+        arguments=dict(
+            config.arguments, **({"negate_logits": True} if config.objective == "rce" else {})
+        ),
         class_names=names,
         input_spec=info.input_spec(),
     )
@@ -276,7 +318,9 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
-    multiplier = UzawaMultiplier(config.lap.lambda0, config.lap.tau if config.objective == "lap" else 0.0, config.lap.every)
+    multiplier = UzawaMultiplier(
+        config.lap.lambda0, config.lap.tau if config.objective == "lap" else 0.0, config.lap.every
+    )
 
     start_epoch = 0
     if (out / CHECKPOINT_STATE).is_file():
@@ -287,7 +331,9 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
     steps = _read_jsonl(steps_path)
     trained: nn.Module = model
     if world_size > 1:  # wraps after the checkpoint is loaded; DDP broadcasts rank 0's weights
-        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        trained = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
 
     def lr_at(epoch: int) -> float:
         return config.lr * config.gamma ** sum(1 for m in config.milestones if epoch >= m)
@@ -303,9 +349,18 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
         started = time.perf_counter()
         step_log: list[dict[str, Any]] = []
         train_metrics = train_one_epoch(
-            trained, train_loader, optimizer, config.objective, multiplier,
-            device=device, grad_clip=config.grad_clip, augment=config.augment, amp=config.amp,
-            step_log=step_log, progress=progress, description=f"{config.name} epoch {epoch + 1}/{config.epochs}",
+            trained,
+            train_loader,
+            optimizer,
+            config.objective,
+            multiplier,
+            device=device,
+            grad_clip=config.grad_clip,
+            augment=config.augment,
+            amp=config.amp,
+            step_log=step_log,
+            progress=progress,
+            description=f"{config.name} epoch {epoch + 1}/{config.epochs}",
         )
         seconds = time.perf_counter() - started
         steps = [s for s in steps if s["step"] < epoch * len(train_loader)]
@@ -327,7 +382,16 @@ def train(config: TrainConfig, out: str | Path, *, root: str | Path | None = Non
             continue
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in epochs_done))
         steps_path.write_text("".join(json.dumps(s) + "\n" for s in steps))
-        _save_checkpoint(out, model, optimizer, {"epoch": epoch + 1, "multiplier": multiplier.state_dict(), "fingerprint": config.fingerprint()})
+        _save_checkpoint(
+            out,
+            model,
+            optimizer,
+            {
+                "epoch": epoch + 1,
+                "multiplier": multiplier.state_dict(),
+                "fingerprint": config.fingerprint(),
+            },
+        )
         plot_training_curve(steps, epochs_done, out / "training_curve.png")
         if progress:
             tqdm.write(

@@ -44,7 +44,14 @@ _QUICK = {
     "weight_decay": 1e-4,
     "grad_clip": 5.0,
 }
-_PAPER_SCHEDULE = {"epochs": 300, "lr": 0.1, "milestones": [150, 225, 250], "weight_decay": 1e-4, "augment": True, "amp": True}
+_PAPER_SCHEDULE = {
+    "epochs": 300,
+    "lr": 0.1,
+    "milestones": [150, 225, 250],
+    "weight_decay": 1e-4,
+    "augment": True,
+    "amp": True,
+}
 _PAPER_LAP = LapSettings(lambda0=1.0, tau=1.0, every=1)
 
 TRAIN_PRESETS: dict[str, TrainConfig] = {
@@ -52,20 +59,41 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     **_variants("quick", _QUICK),
     **_variants(
         "paper-cifar10-resnet110",
-        {**_PAPER_SCHEDULE, "dataset": "cifar10", "architecture": "resnet110", "init": "orthogonal",
-         "init_gain": 0.05, "batch_size": 256, "grad_clip": 5.0, "lap": _PAPER_LAP},
+        {
+            **_PAPER_SCHEDULE,
+            "dataset": "cifar10",
+            "architecture": "resnet110",
+            "init": "orthogonal",
+            "init_gain": 0.05,
+            "batch_size": 256,
+            "grad_clip": 5.0,
+            "lap": _PAPER_LAP,
+        },
         rce_overrides={"grad_clip": None},
     ),
     **_variants(
         "paper-cifar100-resnext50",
-        {**_PAPER_SCHEDULE, "dataset": "cifar100", "architecture": "resnext50", "init": "kaiming",
-         "batch_size": 128, "lap": _PAPER_LAP},
+        {
+            **_PAPER_SCHEDULE,
+            "dataset": "cifar100",
+            "architecture": "resnext50",
+            "init": "kaiming",
+            "batch_size": 128,
+            "lap": _PAPER_LAP,
+        },
         rce_overrides={"lr": 0.05, "init": "orthogonal", "init_gain": 0.05},
     ),
     **_variants(
         "paper-tinyimagenet-wrn",
-        {**_PAPER_SCHEDULE, "dataset": "imagefolder", "architecture": "wide_resnet", "init": "orthogonal",
-         "init_gain": 0.1, "batch_size": 114, "lap": _PAPER_LAP},
+        {
+            **_PAPER_SCHEDULE,
+            "dataset": "imagefolder",
+            "architecture": "wide_resnet",
+            "init": "orthogonal",
+            "init_gain": 0.1,
+            "batch_size": 114,
+            "lap": _PAPER_LAP,
+        },
     ),
 }
 
@@ -77,5 +105,7 @@ def list_train_presets() -> list[str]:
 def get_train_preset(name: str) -> TrainConfig:
     """A copy of the named preset; an unknown name lists the known ones."""
     if name not in TRAIN_PRESETS:
-        raise ConfigError(f"unknown training preset {name!r}; known: {', '.join(list_train_presets())}")
+        raise ConfigError(
+            f"unknown training preset {name!r}; known: {', '.join(list_train_presets())}"
+        )
     return TRAIN_PRESETS[name].model_copy(deep=True)

@@ -39,14 +39,22 @@ class PipelineConfig(BaseModel):
     ood_n: int = Field(1000, ge=10)
     seeds: int = Field(5, ge=1)
     test_fraction: float = Field(0.1, gt=0, lt=1)
-    noisy_copies: bool = False  # add uniformly noised clean copies (labelled clean) to detector training
+    noisy_copies: bool = (
+        False  # add uniformly noised clean copies (labelled clean) to detector training
+    )
     mahalanobis_clean_n: int = Field(5000, ge=100)  # training images for class means and covariance
     # Input pre-processing magnitudes tried (chosen on the training side); Lee et al.'s list by default.
-    mahalanobis_magnitudes: list[float] = Field(default_factory=lambda: [0.0, 0.0005, 0.001, 0.0014, 0.002, 0.005, 0.01])
+    mahalanobis_magnitudes: list[float] = Field(
+        default_factory=lambda: [0.0, 0.0005, 0.001, 0.0014, 0.002, 0.005, 0.01]
+    )
     target_fpr: float = Field(0.05, gt=0, lt=1)
     deploy_model: str = "lap"
-    deploy_attacks: list[str] | None = None  # attack keys the deployed detector is trained on (default: all)
-    not_run: list[dict[str, str]] = Field(default_factory=list)  # attacks left out, with the reason (for the report)
+    deploy_attacks: list[str] | None = (
+        None  # attack keys the deployed detector is trained on (default: all)
+    )
+    not_run: list[dict[str, str]] = Field(
+        default_factory=list
+    )  # attacks left out, with the reason (for the report)
     device: str = "auto"
 
     @model_validator(mode="after")
@@ -54,14 +62,22 @@ class PipelineConfig(BaseModel):
         keys = [a.key for a in self.attacks]
         if len(set(keys)) != len(keys):
             raise ValueError(f"attack keys must be unique, got {keys}")
-        for name in [*(self.seen or []), *([self.unseen_train] if self.unseen_train else []), *(self.deploy_attacks or [])]:
+        for name in [
+            *(self.seen or []),
+            *([self.unseen_train] if self.unseen_train else []),
+            *(self.deploy_attacks or []),
+        ]:
             if name not in keys:
                 raise ValueError(f"{name!r} is not one of the attack keys {keys}")
         for name in self.ood_train:
             if name not in keys and name not in self.ood_test and name not in ("digits", "noise"):
-                raise ValueError(f"OOD training set {name!r} is neither an attack key nor an OOD set")
+                raise ValueError(
+                    f"OOD training set {name!r} is neither an attack key nor an OOD set"
+                )
         if self.deploy_model not in self.models:
-            raise ValueError(f"deploy_model {self.deploy_model!r} is not one of the networks {list(self.models)}")
+            raise ValueError(
+                f"deploy_model {self.deploy_model!r} is not one of the networks {list(self.models)}"
+            )
         return self
 
     @property
@@ -71,8 +87,14 @@ class PipelineConfig(BaseModel):
 
 _CPU_NOT_RUN = [
     {"attack": "hsj", "reason": "HopSkipJump takes ~24 s/image on 2 CPU cores; use a GPU preset"},
-    {"attack": "boundary", "reason": "BoundaryAttack (5000 iterations) takes ~200 s/image on 2 CPU cores; use a GPU preset"},
-    {"attack": "autoattack", "reason": "AutoAttack standard is ~100x FGM's cost on CPU; use a GPU preset"},
+    {
+        "attack": "boundary",
+        "reason": "BoundaryAttack (5000 iterations) takes ~200 s/image on 2 CPU cores; use a GPU preset",
+    },
+    {
+        "attack": "autoattack",
+        "reason": "AutoAttack standard is ~100x FGM's cost on CPU; use a GPU preset",
+    },
 ]
 
 PIPELINE_PRESETS: dict[str, PipelineConfig] = {
@@ -87,7 +109,10 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         test_fraction=0.2,
         mahalanobis_clean_n=500,
         mahalanobis_magnitudes=[0.0, 0.001],
-        not_run=[{"attack": a, "reason": "the smoke preset runs FGM only"} for a in ("apgd", "bim", "cw", "deepfool", "hsj", "boundary", "autoattack")],
+        not_run=[
+            {"attack": a, "reason": "the smoke preset runs FGM only"}
+            for a in ("apgd", "bim", "cw", "deepfool", "hsj", "boundary", "autoattack")
+        ],
     ),
     "quick": PipelineConfig(
         name="quick",
@@ -120,5 +145,7 @@ def list_pipeline_presets() -> list[str]:
 
 def get_pipeline_preset(name: str) -> PipelineConfig:
     if name not in PIPELINE_PRESETS:
-        raise ConfigError(f"unknown pipeline preset {name!r}; known: {', '.join(list_pipeline_presets())}")
+        raise ConfigError(
+            f"unknown pipeline preset {name!r}; known: {', '.join(list_pipeline_presets())}"
+        )
     return PIPELINE_PRESETS[name].model_copy(deep=True)
