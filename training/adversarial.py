@@ -1,0 +1,678 @@
+"""The adversarial set store: generated sets saved with full precision, keyed by configuration,
+resumable, and verified on load.
+
+A set lives in ``CACHE_DIR/<attack>-<key>/`` as ``adversarial.npz`` (read with
+``allow_pickle=False``) + ``manifest.json``. The key hashes everything that determines the result:
+attack, resolved parameters, seed, the network's sha256 (of its ``model.safetensors``), the source
+indices and the input images. Generation writes each finished batch to
+``CACHE_DIR/<attack>-<key>.partial/``, so an interrupted run resumes where it stopped; the final
+folder appears in one rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors.torch import save as safetensors_bytes
+from tqdm.auto import tqdm
+
+from detector import networks
+from detector.errors import ArtefactError, ConfigError, InputError
+from detector.networks import ObservableResNet
+from training.attacks import (
+    AttackRunner,
+    batch_seed,
+    batch_slices,
+    check_inputs,
+    get_attack_spec,
+    make_attack_params,
+    predict_labels,
+)
+
+FORMAT_VERSION = 1
+ARRAYS_FILE = "adversarial.npz"
+MANIFEST_FILE = "manifest.json"
+STATE_FILE = "state.json"
+ARRAY_KEYS = ("x_adv", "indices", "labels", "clean_pred", "adv_pred", "success", "l2", "linf")
+BatchCallback = Callable[[int, int], None]
+
+
+class SetManifest(BaseModel):
+    """What a stored adversarial set is and how it was made."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = FORMAT_VERSION
+    key: str
+    attack: str
+    params: dict[str, Any]
+    seed: int
+    n: int = Field(ge=1)
+    input_shape: list[int]
+    network_sha256: str
+    indices_sha256: str
+    inputs_sha256: str
+    arrays_sha256: str
+    batch_size: int
+    workers: int
+    device: str
+    libraries: dict[str, str | None]
+    wall_seconds: float = Field(description="elapsed generation time, summed over resumed sessions")
+    # Sum of the batches' own times (worker-seconds); None in sets written before it was recorded.
+    batch_seconds: float | None = None
+    seconds_per_image: float = Field(
+        description="batch_seconds / n: the cost of one image on one worker"
+    )
+    success_rate: float
+    created: str
+
+
+@dataclass
+class AdversarialSet:
+    """A generated set. ``success`` is ``adv_pred != labels``; l2/linf are per-sample sizes of
+    ``x_adv - x`` in the network's value range."""
+
+    x_adv: np.ndarray
+    indices: np.ndarray
+    labels: np.ndarray
+    clean_pred: np.ndarray
+    adv_pred: np.ndarray
+    success: np.ndarray
+    l2: np.ndarray
+    linf: np.ndarray
+    manifest: dict[str, Any]
+    path: Path | None = None
+    from_cache: bool = field(default=False)
+
+    def __len__(self) -> int:
+        return len(self.x_adv)
+
+    def summary(self) -> dict[str, float]:
+        """Success rates (overall and on originally-correct images), median L2/L∞ of the
+        successful samples, and seconds per image."""
+        correct = self.clean_pred == self.labels
+        won = self.success
+        return {
+            "n": float(len(self)),
+            "clean_accuracy": float(correct.mean()),
+            "success_rate": float(won.mean()),
+            "success_rate_on_correct": float(won[correct].mean())
+            if correct.any()
+            else float("nan"),
+            "median_l2": float(np.median(self.l2[won])) if won.any() else float("nan"),
+            "median_linf": float(np.median(self.linf[won])) if won.any() else float("nan"),
+            "seconds_per_image": float(self.manifest["seconds_per_image"]),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Checksums and keys
+# --------------------------------------------------------------------------------------------
+def _sha256_bytes(*chunks: bytes) -> str:
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def network_sha256(model: ObservableResNet | str | Path) -> str:
+    """sha256 of the network's ``model.safetensors`` (for a model in memory: of the bytes
+    :func:`detector.networks.save` would write)."""
+    if isinstance(model, (str, Path)):
+        weights = Path(model) / networks.WEIGHTS_FILE
+        if not weights.is_file():
+            raise ArtefactError(f"no weights at {weights}")
+        return file_sha256(weights)
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ConfigError("the network has no config: build it with build_network or load it")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    return _sha256_bytes(safetensors_bytes(state, metadata={"architecture": config.architecture}))
+
+
+def set_key(
+    *, attack: str, params: dict[str, Any], seed: int, network: str, indices: str, inputs: str
+) -> str:
+    """The configuration hash naming a set (16 hex digits)."""
+    payload = {
+        "format": FORMAT_VERSION,
+        "attack": attack,
+        "params": params,
+        "seed": seed,
+        "network_sha256": network,
+        "indices_sha256": indices,
+        "inputs_sha256": inputs,
+    }
+    return _sha256_bytes(json.dumps(payload, sort_keys=True).encode())[:16]
+
+
+def _libraries() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for name in ("lapguard", "torch", "numpy", "adversarial-robustness-toolbox", "pyautoattack"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+# --------------------------------------------------------------------------------------------
+# Reading and writing
+# --------------------------------------------------------------------------------------------
+def _save_npz(path: Path, **arrays: np.ndarray) -> None:
+    """Write an .npz atomically (temporary file, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as handle:
+        np.savez(handle, **arrays)
+    os.replace(tmp, path)
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError) as error:
+        raise ArtefactError(f"cannot read {path}: {error}") from error
+
+
+def load_adversarial_set(
+    directory: str | Path, *, expected_key: str | None = None
+) -> AdversarialSet:
+    """Load a stored set and verify it: manifest schema, array checksum, counts and shapes."""
+    directory = Path(directory)
+    manifest_path, arrays_path = directory / MANIFEST_FILE, directory / ARRAYS_FILE
+    if not manifest_path.is_file():
+        raise ArtefactError(f"no manifest at {manifest_path}")
+    try:
+        manifest = SetManifest.model_validate(json.loads(manifest_path.read_text()))
+    except (json.JSONDecodeError, ValidationError) as error:
+        raise ArtefactError(f"invalid adversarial set manifest {manifest_path}: {error}") from error
+    if expected_key is not None and manifest.key != expected_key:
+        raise ArtefactError(
+            f"manifest {manifest_path} has key {manifest.key}, expected {expected_key}: delete the folder"
+        )
+    if not arrays_path.is_file():
+        raise ArtefactError(f"no arrays at {arrays_path} (manifest {manifest_path} expects them)")
+    if file_sha256(arrays_path) != manifest.arrays_sha256:
+        raise ArtefactError(
+            f"{arrays_path} does not match the checksum in {manifest_path}: delete the folder to regenerate"
+        )
+    arrays = _read_npz(arrays_path)
+    missing = [k for k in ARRAY_KEYS if k not in arrays]
+    if missing:
+        raise ArtefactError(f"{arrays_path} lacks arrays {', '.join(missing)}")
+    n = manifest.n
+    wrong = [k for k in ARRAY_KEYS if len(arrays[k]) != n]
+    if wrong:
+        raise ArtefactError(
+            f"{arrays_path}: arrays {', '.join(wrong)} do not hold n={n} samples as {manifest_path} says"
+        )
+    if (
+        list(arrays["x_adv"].shape) != [n, *manifest.input_shape]
+        or arrays["x_adv"].dtype != np.float32
+    ):
+        raise ArtefactError(
+            f"{arrays_path}: x_adv is {arrays['x_adv'].dtype}{list(arrays['x_adv'].shape)}, "
+            f"{manifest_path} says float32{[n, *manifest.input_shape]}"
+        )
+    return AdversarialSet(
+        **{k: arrays[k] for k in ARRAY_KEYS},
+        manifest=manifest.model_dump(),
+        path=directory,
+        from_cache=True,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Generation with resume and worker processes
+# --------------------------------------------------------------------------------------------
+def _batch_path(partial: Path, b: int) -> Path:
+    return partial / f"batch-{b:06d}.npz"
+
+
+def _run_one(
+    runner: AttackRunner, x: np.ndarray, y: np.ndarray, b: int, seed: int, out: Path
+) -> float:
+    """Attack batch ``b``, write its file, return the seconds it took."""
+    start = time.perf_counter()
+    x_adv = runner.run_batch(x, y, seed=batch_seed(seed, b))
+    clean = predict_labels(runner.model, x, device=runner.device)
+    adv = predict_labels(runner.model, x_adv, device=runner.device)
+    seconds = time.perf_counter() - start
+    _save_npz(out, x_adv=x_adv, clean_pred=clean, adv_pred=adv, seconds=np.float64(seconds))
+    return seconds
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(
+    model_dir: str, attack: str, params: dict[str, Any], batch_size: int, device: str, threads: int
+) -> None:
+    torch.set_num_threads(threads)
+    model = networks.load(model_dir, device=device)
+    _WORKER["runner"] = AttackRunner(model, attack, params, batch_size=batch_size, device=device)
+
+
+def _worker_batch(x: np.ndarray, y: np.ndarray, b: int, seed: int, out: str) -> tuple[int, float]:
+    return b, _run_one(_WORKER["runner"], x, y, b, seed, Path(out))
+
+
+def _finished_batches(partial: Path, slices: list[slice]) -> dict[int, float]:
+    """Batches already on disk (a batch file that cannot be read is removed and redone)."""
+    done: dict[int, float] = {}
+    for b, part in enumerate(slices):
+        path = _batch_path(partial, b)
+        if not path.is_file():
+            continue
+        try:
+            data = _read_npz(path)
+            if len(data["x_adv"]) != part.stop - part.start:
+                raise ArtefactError(f"{path} holds {len(data['x_adv'])} samples")
+            done[b] = float(data["seconds"])
+        except (ArtefactError, KeyError):
+            path.unlink()
+    return done
+
+
+def _open_partial(partial: Path, key: str, batch_size: int, n: int) -> int:
+    """Create or reopen the partial folder; returns the batch size to use (the stored one on resume)."""
+    state_path = partial / STATE_FILE
+    if state_path.is_file():
+        try:
+            state = json.loads(state_path.read_text())
+            if state["key"] == key and state["n"] == n:
+                return int(state["batch_size"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            pass
+        shutil.rmtree(partial)  # a partial set we cannot trust: start again
+    partial.mkdir(parents=True, exist_ok=True)
+    tmp = state_path.with_name(STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps({"key": key, "n": n, "batch_size": batch_size, "wall_seconds": 0.0}))
+    os.replace(tmp, state_path)
+    return batch_size
+
+
+def _add_wall_seconds(partial: Path, seconds: float) -> float:
+    state_path = partial / STATE_FILE
+    state = json.loads(state_path.read_text())
+    state["wall_seconds"] = float(state.get("wall_seconds", 0.0)) + seconds
+    tmp = state_path.with_name(STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, state_path)
+    return state["wall_seconds"]
+
+
+def _run_parallel(
+    pending: list[int],
+    *,
+    x: np.ndarray,
+    y: np.ndarray,
+    slices: list[slice],
+    partial: Path,
+    model_dir: Path,
+    attack: str,
+    params: dict[str, Any],
+    batch_size: int,
+    device: str,
+    seed: int,
+    workers: int,
+    finished: Callable[[int], None],
+) -> None:
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    context = multiprocessing.get_context("spawn")
+    init = (str(model_dir), attack, params, batch_size, device, threads)
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=context, initializer=_worker_init, initargs=init
+    ) as pool:
+        futures: set[Future[tuple[int, float]]] = {
+            pool.submit(
+                _worker_batch, x[slices[b]], y[slices[b]], b, seed, str(_batch_path(partial, b))
+            )
+            for b in pending
+        }
+        try:
+            while futures:
+                ready, futures = wait(futures, return_when=FIRST_COMPLETED)
+                for future in ready:
+                    b, _ = future.result()
+                    finished(b)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def _assemble(
+    partial: Path,
+    final: Path,
+    *,
+    x: np.ndarray,
+    y: np.ndarray,
+    indices: np.ndarray,
+    slices: list[slice],
+    manifest: dict[str, Any],
+) -> AdversarialSet:
+    """Join the batch files into the final set and move it into place in one rename."""
+    batches = [_read_npz(_batch_path(partial, b)) for b in range(len(slices))]
+    x_adv = np.concatenate([b["x_adv"] for b in batches]).astype(np.float32, copy=False)
+    clean_pred = np.concatenate([b["clean_pred"] for b in batches]).astype(np.int64)
+    adv_pred = np.concatenate([b["adv_pred"] for b in batches]).astype(np.int64)
+    batch_seconds = float(sum(float(b["seconds"]) for b in batches))
+    delta = (x_adv.astype(np.float64) - x.astype(np.float64)).reshape(len(x), -1)
+    arrays = {
+        "x_adv": x_adv,
+        "indices": indices.astype(np.int64),
+        "labels": y.astype(np.int64),
+        "clean_pred": clean_pred,
+        "adv_pred": adv_pred,
+        "success": adv_pred != y,
+        "l2": np.linalg.norm(delta, axis=1).astype(np.float32),
+        "linf": np.abs(delta).max(axis=1).astype(np.float32),
+    }
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        _save_npz(staging / ARRAYS_FILE, **arrays)
+        manifest = {
+            **manifest,
+            "arrays_sha256": file_sha256(staging / ARRAYS_FILE),
+            "batch_seconds": batch_seconds,
+            "seconds_per_image": batch_seconds / len(x),
+            "success_rate": float(arrays["success"].mean()),
+        }
+        validated = SetManifest.model_validate(manifest)
+        (staging / MANIFEST_FILE).write_text(validated.model_dump_json(indent=2))
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            # Another process finished the same set first: keep its copy.
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            return load_adversarial_set(final, expected_key=validated.key)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(partial, ignore_errors=True)
+    return AdversarialSet(**arrays, manifest=validated.model_dump(), path=final, from_cache=False)
+
+
+def get_or_generate(
+    cache_dir: str | Path,
+    model: ObservableResNet | str | Path,
+    x: np.ndarray,
+    y: np.ndarray,
+    indices: np.ndarray,
+    attack: str,
+    params: dict[str, Any] | None = None,
+    *,
+    seed: int = 0,
+    batch_size: int | None = None,
+    device: str | torch.device = "auto",
+    workers: int = 1,
+    progress: bool = True,
+    on_batch: BatchCallback | None = None,
+) -> AdversarialSet:
+    """The adversarial set of ``x`` (true labels ``y``, source ``indices``) under ``attack``:
+    loaded from ``cache_dir`` when this exact configuration was generated before, otherwise
+    generated (resuming finished batches of an interrupted run) and stored.
+
+    ``model`` is a saved network directory or a network in memory. ``workers`` > 1 runs batches in
+    spawned processes that load the network from its directory. ``on_batch(b, n_batches)`` is
+    called after each newly generated batch.
+    """
+    spec = get_attack_spec(attack)
+    resolved = make_attack_params(attack, params)
+    params_dict = resolved.model_dump(mode="json")
+    if workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}")
+    model_dir = Path(model) if isinstance(model, (str, Path)) else None
+    net = networks.load(model_dir, device="cpu") if model_dir is not None else model
+    x, y = check_inputs(net, x, y)
+    indices = np.asarray(indices)
+    if indices.shape != (len(x),) or not np.issubdtype(indices.dtype, np.integer):
+        raise InputError(f"indices must be {len(x)} integers, got {indices.dtype}{indices.shape}")
+    net_sha = network_sha256(model_dir if model_dir is not None else net)
+    indices_sha = _sha256_bytes(indices.astype(np.int64).tobytes())
+    inputs_sha = _sha256_bytes(str(x.shape).encode(), x.tobytes(), y.tobytes())
+    key = set_key(
+        attack=attack,
+        params=params_dict,
+        seed=seed,
+        network=net_sha,
+        indices=indices_sha,
+        inputs=inputs_sha,
+    )
+
+    cache_dir = Path(cache_dir)
+    final = cache_dir / f"{attack}-{key}"
+    partial = cache_dir / f"{attack}-{key}.partial"
+    if final.is_dir():
+        if partial.exists():  # left behind after the final rename
+            shutil.rmtree(partial, ignore_errors=True)
+        return load_adversarial_set(final, expected_key=key)
+
+    device_t = networks.resolve_device(device)
+    runner = AttackRunner(net, attack, resolved, batch_size=batch_size, device=device_t)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    size = _open_partial(partial, key, runner.batch_size, len(x))
+    if size != runner.batch_size:
+        runner = AttackRunner(net, attack, resolved, batch_size=size, device=device_t)
+    slices = batch_slices(len(x), size)
+    done = _finished_batches(partial, slices)
+    pending = [b for b in range(len(slices)) if b not in done]
+
+    done_images = sum(slices[b].stop - slices[b].start for b in done)
+    with tqdm(
+        total=len(x),
+        initial=done_images,
+        desc=attack,
+        unit="img",
+        disable=not progress,
+        dynamic_ncols=True,
+    ) as bar:
+        last = [time.perf_counter()]
+
+        def tick() -> float:
+            # Wall time goes to state.json after every batch, so a killed run loses at most one.
+            now = time.perf_counter()
+            total = _add_wall_seconds(partial, now - last[0])
+            last[0] = now
+            return total
+
+        def finished(b: int) -> None:
+            bar.update(slices[b].stop - slices[b].start)
+            tick()
+            if on_batch is not None:
+                on_batch(b, len(slices))
+
+        def serial(b: int) -> float:
+            seconds = _run_one(runner, x[slices[b]], y[slices[b]], b, seed, _batch_path(partial, b))
+            finished(b)
+            return seconds
+
+        try:
+            if pending and spec.slow:
+                # Slow attacks: time the first batch here, then say how long the rest will take.
+                b = pending.pop(0)
+                per_image = serial(b) / (slices[b].stop - slices[b].start)
+                if pending and progress:
+                    rest = sum(slices[i].stop - slices[i].start for i in pending)
+                    parallel = min(workers, len(pending))
+                    tqdm.write(
+                        f"{attack}: {per_image:.1f} s/image; about {per_image * rest / parallel / 60:.1f} min "
+                        f"for the {rest} remaining image(s) on {parallel} worker(s)",
+                        file=sys.stderr,
+                    )
+            if pending and workers > 1:
+                if model_dir is None:  # workers load the network from a directory
+                    model_dir = partial / "network"
+                    networks.save(net.cpu(), model_dir)
+                    net.to(device_t)
+                _run_parallel(
+                    pending,
+                    x=x,
+                    y=y,
+                    slices=slices,
+                    partial=partial,
+                    model_dir=model_dir,
+                    attack=attack,
+                    params=params_dict,
+                    batch_size=size,
+                    device=str(device_t),
+                    seed=seed,
+                    workers=workers,
+                    finished=finished,
+                )
+            else:
+                for b in pending:
+                    serial(b)
+        finally:
+            wall = tick()
+
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "key": key,
+        "attack": attack,
+        "params": params_dict,
+        "seed": seed,
+        "n": len(x),
+        "input_shape": list(x.shape[1:]),
+        "network_sha256": net_sha,
+        "indices_sha256": indices_sha,
+        "inputs_sha256": inputs_sha,
+        "batch_size": size,
+        "workers": workers,
+        "device": str(device_t),
+        "libraries": _libraries(),
+        "wall_seconds": wall,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    return _assemble(partial, final, x=x, y=y, indices=indices, slices=slices, manifest=manifest)
+
+
+# --------------------------------------------------------------------------------------------
+# Run directories: DIR/models/<name>/ networks, DIR/attacks/<name>/<attack>-<key>/ sets
+# --------------------------------------------------------------------------------------------
+MODELS_DIR = "models"
+ATTACKS_DIR = "attacks"
+TRAIN_CONFIG_FILE = "train_config.json"
+
+
+def find_networks(run_dir: str | Path, model: str | None = None) -> dict[str, Path]:
+    """Trained networks of a run directory by name (``DIR/models/<name>/`` holding config and
+    weights); ``model`` picks one. None found is an ArtefactError."""
+    root = Path(run_dir) / MODELS_DIR
+    found = {
+        d.name: d
+        for d in sorted(root.iterdir() if root.is_dir() else [])
+        if (d / networks.CONFIG_FILE).is_file() and (d / networks.WEIGHTS_FILE).is_file()
+    }
+    if model is not None:
+        if model not in found:
+            known = ", ".join(found) or "none"
+            raise ArtefactError(
+                f"no trained network {model!r} in {root} (trained: {known}); train it first with `lapguard train`"
+            )
+        return {model: found[model]}
+    if not found:
+        raise ArtefactError(
+            f"no trained network in {root}: expected {root}/<name>/ with {networks.CONFIG_FILE} and "
+            f"{networks.WEIGHTS_FILE}; train one first with `lapguard train` or `lapguard pipeline`"
+        )
+    return found
+
+
+def attack_images(
+    model_dir: str | Path,
+    *,
+    split: str = "test",
+    n: int | None = 1000,
+    seed: int = 0,
+    root: str | Path | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(images, labels, source indices): the first ``n`` of a seeded order of ``split`` of the
+    data set the network was trained on (its ``train_config.json``)."""
+    from torch.utils.data import Subset
+
+    from training.data import load_dataset, subset, to_arrays
+
+    config_path = Path(model_dir) / TRAIN_CONFIG_FILE
+    try:
+        dataset_name = json.loads(config_path.read_text())["dataset"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ArtefactError(f"cannot read the data set name from {config_path}: {error}") from error
+    dataset = load_dataset(dataset_name, split, root=root)
+    chosen = subset(dataset, n, seed)
+    indices = np.asarray(
+        chosen.indices if isinstance(chosen, Subset) else range(len(dataset)), dtype=np.int64
+    )  # type: ignore[arg-type]
+    x, y = to_arrays(dataset, n, seed=seed)
+    return x, y, indices
+
+
+def attack_run(
+    run_dir: str | Path,
+    attack: str,
+    params: dict[str, Any] | None = None,
+    *,
+    n: int | None = 1000,
+    split: str = "test",
+    model: str | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    device: str | torch.device = "auto",
+    workers: int = 1,
+    root: str | Path | None = None,
+    progress: bool = True,
+) -> dict[str, AdversarialSet]:
+    """Attack every network of a run directory (or the one named ``model``) on the first ``n``
+    images of ``split``; sets are cached in ``DIR/attacks/<model>/``. Parameters and the run
+    directory are checked before anything is written."""
+    make_attack_params(attack, params)
+    if n is not None and n < 1:
+        raise ConfigError(f"n must be positive, got {n}")
+    chosen = find_networks(run_dir, model)
+    sets: dict[str, AdversarialSet] = {}
+    for name, model_dir in chosen.items():
+        x, y, indices = attack_images(model_dir, split=split, n=n, seed=0, root=root)
+        sets[name] = get_or_generate(
+            Path(run_dir) / ATTACKS_DIR / name,
+            model_dir,
+            x,
+            y,
+            indices,
+            attack,
+            params,
+            seed=seed,
+            batch_size=batch_size,
+            device=device,
+            workers=workers,
+            progress=progress,
+        )
+    return sets
