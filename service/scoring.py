@@ -312,19 +312,52 @@ class PreparingDataset(Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> torch.Tensor | Unusable:
-        try:
-            payload: bytes | np.ndarray | Unusable = load_payload(self.items[i])
-        except Exception as error:  # unreadable file: an error row, not a failed run
-            payload = Unusable(describe_error(error))
-        return prepare_payload(self.prepare, payload, channels=self.channels)
+        return prepare_payload(self.prepare, _payload(self.items[i]), channels=self.channels)
+
+
+def _array_chunk(guard: Guard, chunk: Sequence[InputItem]) -> PreparedBatch | None:
+    """A batch of items of one in-memory array, sliced and converted in one vectorized step; None
+    when the items are not such a batch or any of them is unusable (the per-item path then
+    gives each bad input its own error row)."""
+    sources = {id(item.source) for item in chunk}
+    first = chunk[0].source
+    if len(sources) != 1 or first is None or not isinstance(first.data, np.ndarray):
+        return None
+    if any(item.index is None or item.problem is not None for item in chunk):
+        return None
+    try:
+        rows = np.array([item.index for item in chunk], dtype=np.int64)
+        images = guard.prepare(np.asarray(first.data[rows]))
+    except Exception:  # noqa: BLE001 - any failure: let the per-item path name the input at fault
+        return None
+    return PreparedBatch(images=images, problems=[None] * len(chunk))
 
 
 def local_results(
     guard: Guard, pending: list[InputItem], *, batch_size: int, num_workers: int
 ) -> Iterator[list[Row]]:
-    """The local engine: ``num_workers`` processes prepare batches ahead of the network, which
-    meanwhile runs on at most ``cpu_count - num_workers`` torch threads (restored afterwards), so
-    that loaders and inference do not fight over the cores."""
+    """The local engine. Items of in-memory arrays are sliced and converted a batch at a time in
+    this process, with every torch thread; files (and anything unusual) are read, decoded and
+    converted by ``num_workers`` processes ahead of the network, which meanwhile runs on at most
+    ``cpu_count - num_workers`` torch threads (restored afterwards), so that loaders and inference
+    do not fight over the cores."""
+    if all(
+        item.source is not None and isinstance(item.source.data, np.ndarray) for item in pending
+    ):
+        for start in range(0, len(pending), batch_size):
+            chunk = pending[start : start + batch_size]
+            batch = _array_chunk(guard, chunk)
+            if batch is None:
+                batch = collate(
+                    [
+                        prepare_payload(
+                            guard.prepare, _payload(item), channels=guard.input_spec.channels
+                        )
+                        for item in chunk
+                    ]
+                )
+            yield score_batch(guard, batch)
+        return
     workers = min(max(num_workers, 0), math.ceil(len(pending) / batch_size))
     # Workers are forked: they inherit the Guard (only its CPU-side `prepare` runs there), so
     # nothing is pickled. Where fork does not exist, the main process prepares.
@@ -349,6 +382,13 @@ def local_results(
             yield score_batch(guard, batch)
     finally:
         torch.set_num_threads(threads)
+
+
+def _payload(item: InputItem) -> bytes | np.ndarray | Unusable:
+    try:
+        return load_payload(item)
+    except Exception as error:  # noqa: BLE001 - unreadable input: an error row, not a failed run
+        return Unusable(describe_error(error))
 
 
 # ---- the output file -------------------------------------------------------------------------
