@@ -19,7 +19,10 @@ from training.adversarial import (
     network_sha256,
 )
 from training.attacks import (
+    OVERSHOOTS,
+    AttackRunner,
     attack_defaults,
+    clear_of_boundary,
     generate,
     list_attacks,
     make_attack_params,
@@ -213,6 +216,54 @@ def test_attack_invariants_and_cache(attack: str, network, images, tmp_path: Pat
 def test_fgm_flips_some_predictions(network, images, tmp_path: Path) -> None:
     adv = _set(tmp_path, network, images, "fgm", {"eps": 0.3}, n=6)
     assert adv.success.sum() > (adv.clean_pred != adv.labels).sum()
+
+
+def test_decision_based_results_are_cleared_off_the_boundary(network, images) -> None:
+    """A point found by bisection within float rounding of the decision boundary (where the
+    class can change with the batch size) is pushed along its ray until it is misclassified
+    with the required logit margin; a point with no perturbation stays as it is."""
+    x, _ = images
+    runner = AttackRunner(network, "boundary", device="cpu")
+    pred = runner.classifier.predict(x).argmax(1)
+    source = 0
+    target = int(np.flatnonzero(pred != pred[source])[0])
+    inside, outside = x[source].copy(), x[target].copy()  # clean class / another class
+    for _ in range(60):  # bisection to the boundary along the segment
+        middle = (inside + outside) / 2
+        if runner.classifier.predict(middle[None]).argmax(1)[0] == pred[source]:
+            inside = middle
+        else:
+            outside = middle
+    at_boundary = outside[None]
+    logits = runner.classifier.predict(at_boundary)
+    assert np.diff(np.sort(logits, axis=1)[:, -2:])[0, 0] < 1e-3  # really on the boundary
+    originals = np.stack([x[source], x[1]])
+    results = np.concatenate([at_boundary, x[1][None]])  # the second: attack found nothing
+    cleared = clear_of_boundary(runner, originals, results, pred[[source, 1]], margin=1e-3)
+    np.testing.assert_array_equal(cleared[1], x[1])
+    moved = cleared[0] - x[source]
+    overshoot = np.linalg.norm(moved) / np.linalg.norm(at_boundary[0] - x[source]) - 1
+    assert 0 < overshoot <= max(OVERSHOOTS) + 1e-6
+    for batch in (cleared[:1], cleared):  # the same class in any batch
+        logits = runner.classifier.predict(batch)
+        top = np.sort(logits[0])
+        assert logits[0].argmax() != pred[source] and top[-1] - top[-2] >= 1e-3
+
+
+def test_apgd_returns_images_it_did_not_fool_unchanged_and_the_pipeline_drops_them(
+    network, images, tmp_path: Path
+) -> None:
+    """ART's APGD only attacks images the network still classifies correctly and keeps a result
+    only if it fools the network: every other image comes back as it is, a clean image, which
+    :func:`training.pipeline.perturbed` keeps out of the detection sets."""
+    from training.pipeline import perturbed
+
+    adv = _set(tmp_path, network, images, "apgd", {**TINY["apgd"], "eps": 0.1}, n=6)
+    misclassified = adv.clean_pred != adv.labels
+    unchanged = np.all(adv.x_adv == images[0][:6], axis=(1, 2, 3))
+    assert misclassified.any() and (~unchanged).any()  # both kinds among the 6 images
+    assert unchanged[misclassified].all() and adv.success[~unchanged].all()
+    np.testing.assert_array_equal(perturbed(adv), ~unchanged)
 
 
 def test_a_different_parameter_makes_a_new_set(network, images, tmp_path: Path) -> None:
