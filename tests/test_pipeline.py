@@ -47,6 +47,7 @@ def test_results_json_follows_the_design_contract(smoke_run) -> None:
         )
         fgm = results["attacks"][name]["fgm-eps0.1"]
         assert fgm["n"] == 600 and 0 <= fgm["success_rate"] <= 1 and fgm["seconds"] > 0
+        assert fgm["unperturbed"] == 0  # FGM moves every image
     assert (
         results["models"]["lap"]["transport_cost"] < results["models"]["vanilla"]["transport_cost"]
     )

@@ -350,24 +350,35 @@ def attacks_section(results: Mapping[str, Any], models: Sequence[str]) -> list[s
     header = ["Attack"]
     for model in models:
         label = MODEL_LABELS.get(model, model.upper())
-        header += [f"{label} n", f"{label} success (%)", f"{label} s/image"]
+        header += [
+            f"{label} n",
+            f"{label} unperturbed",
+            f"{label} success (%)",
+            f"{label} s/image",
+        ]
     rows = []
     for key in keys:
         row = [set_label(key)]
         for model in models:
             info = attacks.get(model, {}).get(key)
             if info is None:
-                row += [NOT_RUN, "", ""]
+                row += [NOT_RUN, "", "", ""]
                 continue
             n = int(info.get("n", 0))
             seconds = info.get("seconds")
             row += [
                 str(n),
+                str(info["unperturbed"]) if info.get("unperturbed") is not None else "n/a",
                 _percent(info["success_rate"]) if info.get("success_rate") is not None else "n/a",
                 f"{seconds / n:.3g}" if seconds is not None and n else "n/a",
             ]
         rows.append(row)
-    note = "Success rate: share of attacked images whose prediction the attack changed (as the attack step reports it)."
+    note = (
+        "Success rate: share of attacked images whose prediction the attack changed (as the "
+        "attack step reports it). Unperturbed: images the attack returned unchanged (APGD and CW "
+        "skip images the network already misclassifies); they are clean images, so the "
+        "detection sets leave them out."
+    )
     return ["## Attacks", "", markdown_table(header, rows), "", note, ""]
 
 
