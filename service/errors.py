@@ -3,6 +3,10 @@
 Every error answer has the body ``{"error": {"code": "...", "message": "..."}}`` (DESIGN.md §7):
 lapguard's own errors by class, FastAPI's validation errors (422), Starlette's HTTP errors (404,
 405, ...) and anything unexpected (500, without internals).
+
+Under ``/v2`` the Open Inference Protocol's shape wins, ``{"error": "message", "code": "..."}``:
+stock KServe/Triton clients read ``error`` as the message text (a nested object made
+tritonclient's exception unprintable); the extra ``code`` keeps our machine-readable code.
 """
 
 from __future__ import annotations
@@ -83,12 +87,23 @@ _HTTP_CODES = {
 }
 
 
+V2_PREFIX = "/v2"
+
+
 def error_response(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
+    status: int,
+    code: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    *,
+    path: str = "",
 ) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"code": code, "message": message}}, status_code=status, headers=headers
-    )
+    """The error answer for a request to ``path`` (the Open Inference Protocol's shape under /v2)."""
+    if path == V2_PREFIX or path.startswith(V2_PREFIX + "/"):
+        body: dict[str, object] = {"error": message, "code": code}
+    else:
+        body = {"error": {"code": code, "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def status_of(error: BaseException) -> tuple[int, str]:
@@ -99,7 +114,7 @@ def status_of(error: BaseException) -> tuple[int, str]:
     return 500, "internal_error"
 
 
-def lapguard_error_response(error: LapguardError) -> JSONResponse:
+def lapguard_error_response(error: LapguardError, *, path: str = "") -> JSONResponse:
     status, code = status_of(error)
     headers: dict[str, str] = {}
     if isinstance(error, RetryableError):
@@ -108,7 +123,7 @@ def lapguard_error_response(error: LapguardError) -> JSONResponse:
         headers["WWW-Authenticate"] = 'Bearer realm="lapguard"'
     if status >= 500 and status != 503:
         logger.error("request failed: %s", error, exc_info=error)
-    return error_response(status, code, str(error), headers or None)
+    return error_response(status, code, str(error), headers or None, path=path)
 
 
 def validation_message(error: RequestValidationError | ValidationError) -> str:
@@ -122,23 +137,26 @@ def validation_message(error: RequestValidationError | ValidationError) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that give every error the same JSON shape."""
 
-    async def on_lapguard(_: Request, error: Exception) -> JSONResponse:
+    async def on_lapguard(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, LapguardError)
-        return lapguard_error_response(error)
+        return lapguard_error_response(error, path=request.url.path)
 
-    async def on_validation(_: Request, error: Exception) -> JSONResponse:
+    async def on_validation(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError | ValidationError)
-        return error_response(422, "validation_error", validation_message(error))
+        message = validation_message(error)
+        return error_response(422, "validation_error", message, path=request.url.path)
 
-    async def on_http(_: Request, error: Exception) -> JSONResponse:
+    async def on_http(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, StarletteHTTPException)
         code = _HTTP_CODES.get(error.status_code, "http_error")
         message = error.detail if isinstance(error.detail, str) else str(error.detail)
-        return error_response(error.status_code, code, message, dict(error.headers or {}) or None)
+        headers = dict(error.headers or {}) or None
+        return error_response(error.status_code, code, message, headers, path=request.url.path)
 
-    async def on_unexpected(_: Request, error: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
         logger.error("unhandled error: %r", error, exc_info=error)
-        return error_response(500, "internal_error", "internal server error; see the server log")
+        message = "internal server error; see the server log"
+        return error_response(500, "internal_error", message, path=request.url.path)
 
     app.add_exception_handler(LapguardError, on_lapguard)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -90,9 +90,9 @@ class BodyLimitMiddleware:
         declared = Headers(scope=scope).get("content-length")
         if declared is not None:
             if not declared.isdigit():
-                await error_response(400, "bad_request", "invalid Content-Length header")(
-                    scope, receive, send
-                )
+                await error_response(
+                    400, "bad_request", "invalid Content-Length header", path=scope["path"]
+                )(scope, receive, send)
                 return
             if int(declared) > self.max_bytes:
                 await self._too_large(scope, receive, send)
@@ -127,6 +127,6 @@ class BodyLimitMiddleware:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(
-            413, "payload_too_large", self._message(), {"Connection": "close"}
+            413, "payload_too_large", self._message(), {"Connection": "close"}, path=scope["path"]
         )
         await response(scope, receive, send)

@@ -485,6 +485,12 @@ def test_v2_with_the_stock_kserve_triton_client(server, guard, images) -> None:
             "tiny", [encoded], headers=dict(headers)
         )  # no outputs named: all, binary
         assert result.as_numpy("label").tolist() == expected(guard, images[:3]).labels.tolist()
+        # errors reach the stock client as readable text, as the protocol shapes them
+        wrong = httpclient.InferInput("input", [1, 5, 28, 28], "FP32")
+        wrong.set_data_from_numpy(np.zeros((1, 5, 28, 28), np.float32), binary_data=True)
+        with pytest.raises(httpclient.InferenceServerException) as raised:
+            client.infer("tiny", [wrong], headers=dict(headers))
+        assert raised.value.status() == "400" and "channel" in raised.value.message()
     finally:
         client.close()
 
@@ -642,8 +648,7 @@ def test_error_answers_its_code_and_the_server_keeps_answering(client, images, c
     path, request, status, code = ERROR_CASES[case]
     response = client.post(path, **request(images))
     assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert error["code"] == code and error["message"]
+    assert error_code(response) == code and error_message(response)
     assert response.headers["x-request-id"]
     after = client.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")})
     assert after.status_code == 200 and client.get("/readyz").status_code == 200
@@ -664,9 +669,8 @@ def test_api_key_is_required_on_inference_routes_only(server, images) -> None:
                 response.status_code == 401 and response.json()["error"]["code"] == "unauthorized"
             )
             assert client_error_has_www_authenticate(response)
-        assert (
-            anonymous.post("/v2/models/tiny/infer", **_v2([1, 1, 28, 28], 784)).status_code == 401
-        )
+        refused = anonymous.post("/v2/models/tiny/infer", **_v2([1, 1, 28, 28], 784))
+        assert refused.status_code == 401 and error_code(refused) == "unauthorized"
         ok = anonymous.post(
             "/v1/predict",
             files={"files": ("a.png", images[0], "image/png")},
@@ -677,6 +681,21 @@ def test_api_key_is_required_on_inference_routes_only(server, images) -> None:
             anonymous.get("/readyz").status_code == 200
             and anonymous.get("/metrics").status_code == 200
         )
+
+
+def error_code(response: httpx.Response) -> str:
+    """The error code of an error answer: DESIGN's ``{"error": {"code", "message"}}``, or under
+    /v2 the Open Inference Protocol's ``{"error": "message", "code": ...}``."""
+    body = response.json()
+    if response.url.path.startswith("/v2"):
+        assert isinstance(body["error"], str), body
+        return body["code"]
+    return body["error"]["code"]
+
+
+def error_message(response: httpx.Response) -> str:
+    error = response.json()["error"]
+    return error if response.url.path.startswith("/v2") else error["message"]
 
 
 def client_error_has_www_authenticate(response: httpx.Response) -> bool:
@@ -776,15 +795,22 @@ class SlowGuard:
         return self._guard.predict(x)
 
 
-class SlowWarmup(SlowGuard):
+class HeldWarmup(SlowGuard):
+    """The real Guard whose warm-up lasts until the test releases it (no race with the clock)."""
+
+    def __init__(self, guard) -> None:
+        super().__init__(guard, 0.0)
+        self.release = threading.Event()
+
     def warmup(self, batch_sizes=(1, 8)) -> None:
-        time.sleep(self._seconds)
+        self.release.wait(timeout=60)
 
 
 def test_not_ready_until_warmed_up(service_bundle, guard, images) -> None:
     settings = Settings(bundle=service_bundle)
+    held = HeldWarmup(guard)
     with (
-        LiveServer(settings, guard=SlowWarmup(guard, 2.0), wait_for="/healthz") as live,
+        LiveServer(settings, guard=held, wait_for="/healthz") as live,
         httpx.Client(base_url=live.url, timeout=30) as c,
     ):
         assert c.get("/healthz").json() == {"status": "ok", "ready": False}
@@ -793,8 +819,9 @@ def test_not_ready_until_warmed_up(service_bundle, guard, images) -> None:
             c.get("/v2/health/ready"),
             c.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")}),
         ):
-            assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
+            assert response.status_code == 503 and error_code(response) == "not_ready"
             assert int(response.headers["retry-after"]) >= 1
+        held.release.set()
         deadline = time.monotonic() + 30
         while c.get("/readyz").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.1)
