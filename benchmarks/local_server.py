@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +20,8 @@ def start_server(
     bundle: Path, *, flags: list[str], env: dict[str, str] | None = None, timeout: float = 120
 ) -> tuple[subprocess.Popen, str]:
     """Start the server with ``flags`` (and LAPGUARD_* ``env`` on top of a clean environment);
-    return it and its URL once /readyz answers 200."""
+    return it and its URL once /readyz answers 200. Its stderr goes to a temporary file, never
+    to an unread pipe: a full pipe (64 KiB of logs under load) would block the server."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -29,21 +31,16 @@ def start_server(
     environment.update(env or {})
     command = [sys.executable, "-m", "training.cli", "serve", "--bundle", str(bundle), "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "warning", *flags]  # fmt: skip
+    log = tempfile.TemporaryFile(mode="w+", prefix="lapguard-serve-")  # noqa: SIM115 (lives with the server)
     process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+        command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=log, text=True
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(
-                f"the server exited: {process.stderr.read() if process.stderr else ''}"
-            )
+            log.seek(0)
+            raise SystemExit(f"the server exited: {log.read()[-4000:]}")
         try:
             if httpx.get(url + "/readyz", timeout=2).status_code == 200:
                 return process, url
