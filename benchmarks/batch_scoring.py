@@ -13,7 +13,8 @@ Prints:
   * the same through `--url` against `lapguard serve` started on 127.0.0.1 (a free port), and its
     ratio; and whether both outputs agree.
 
-Each figure is the best of --repeat runs. Bounded: the server must be ready within 120 s, every
+Each figure is the best of --repeat runs; the reference and the in-process `score` runs
+alternate, so that the machine's drift touches both alike. Bounded: the server must be ready within 120 s, every
 request times out after 60 s, and the server is stopped (SIGTERM, then kill) whatever happens.
 Benchmark alone: other jobs on the cores skew everything.
 """
@@ -131,16 +132,6 @@ def main() -> None:
 
     test = load_dataset("fashion-mnist", "test", root=root)
     x = guard.prepare(np.asarray(test.data))  # the 10,000 test images, prepared once
-    rates = {}
-    for threads in sorted({default_threads, scoring_threads}):
-        torch.set_num_threads(threads)
-        rates[threads] = guard_throughput(guard, x, args.batch_size, args.repeat)
-        print(f"  in-process Guard.predict, {threads} thread(s): {rates[threads]:9.1f} images/s")
-    torch.set_num_threads(default_threads)
-    reference = max(rates.values())
-    print(f"reference (in-process Guard, batch {args.batch_size}): {reference:.1f} images/s")
-    del guard
-
     common = ["--dataset", "fashion-mnist", "--root", str(root)]
     with tempfile.TemporaryDirectory(prefix="batch-scoring-") as tmp:
         local_out, remote_out = Path(tmp) / "local.jsonl", Path(tmp) / "remote.jsonl"
@@ -148,14 +139,30 @@ def main() -> None:
             "--bundle", str(bundle), *common, "--batch-size", str(args.batch_size),
             "--workers", str(args.workers), "--device", args.device,
         ]  # fmt: skip
-        local = [run_score(local_argv, local_out) for _ in range(args.repeat)]
+        # Reference and `lapguard score` alternate, so that a drift of the machine's speed over
+        # the run (large on shared cores) touches both sides of the ratio alike.
+        rates: dict[int, list[float]] = {}
+        local: list[tuple[float, str]] = []
+        for _ in range(args.repeat):
+            for threads in sorted({default_threads, scoring_threads}):
+                torch.set_num_threads(threads)
+                rates.setdefault(threads, []).append(guard_throughput(guard, x, args.batch_size, 1))
+            torch.set_num_threads(default_threads)
+            local.append(run_score(local_argv, local_out))
+        for threads, measured in rates.items():
+            print(f"  in-process Guard.predict, {threads} thread(s): {max(measured):9.1f} images/s")
+        reference = max(max(measured) for measured in rates.values())
+        print(f"reference (in-process Guard, batch {args.batch_size}): {reference:.1f} images/s")
         local_rate, local_summary = max(local)
-        print(f"`lapguard score` in process (best of {args.repeat}):")
+        print(
+            f"`lapguard score` in process (best of {args.repeat}, alternating with the reference):"
+        )
         print("  " + local_summary.replace("\n", "\n  "))
         print(
             f"lapguard score / in-process Guard: {local_rate / reference:.2f}  target >= 0.9  "
             f"({local_rate:.1f} vs {reference:.1f} images/s)"
         )
+        del guard
 
         process, url = start_local_server(args, bundle)
         try:

@@ -267,30 +267,38 @@ def collate(prepared: Sequence[torch.Tensor | Unusable]) -> PreparedBatch:
     )
 
 
-def result_row(result: GuardResult, i: int) -> Row:
-    """Image ``i`` of a Guard result as the keys of a ``/v1/predict`` result."""
-    return {
-        "label": int(result.labels[i]),
-        "class_name": result.class_names[i],
-        "confidence": float(result.confidences[i]),
-        "flagged": bool(result.flagged[i]),
-        "score": float(result.scores[i]),
-        "threshold": float(result.threshold),
-    }
+def result_rows(result: GuardResult) -> list[Row]:
+    """Every image of a Guard result as the keys of a ``/v1/predict`` result (converted to
+    Python values column by column, not element by element)."""
+    threshold = float(result.threshold)
+    return [
+        {
+            "label": label,
+            "class_name": name,
+            "confidence": confidence,
+            "flagged": flagged,
+            "score": score,
+            "threshold": threshold,
+        }
+        for label, name, confidence, flagged, score in zip(
+            result.labels.tolist(),
+            result.class_names,
+            result.confidences.tolist(),
+            result.flagged.tolist(),
+            result.scores.tolist(),
+            strict=True,
+        )
+    ]
 
 
 def score_batch(guard: Guard, batch: PreparedBatch) -> list[Row]:
     """The results of a prepared batch, in input order (``{"error": ...}`` for unusable ones)."""
-    result = guard.predict(batch.images) if batch.images is not None else None
-    rows: list[Row] = []
-    used = 0
-    for problem in batch.problems:
-        if problem is not None or result is None:
-            rows.append({"error": problem})
-        else:
-            rows.append(result_row(result, used))
-            used += 1
-    return rows
+    if batch.images is None:
+        return [{"error": problem} for problem in batch.problems]
+    scored = iter(result_rows(guard.predict(batch.images)))
+    return [
+        {"error": problem} if problem is not None else next(scored) for problem in batch.problems
+    ]
 
 
 class PreparingDataset(Dataset):
