@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -82,7 +83,8 @@ def _run_train(args: argparse.Namespace) -> int:
         config = config.model_validate({**config.model_dump(), **updates})
     out = args.out or Path("runs") / config.name
     last = train(config, out, root=args.root, progress=not args.no_progress)
-    print(json.dumps({"out": str(out), **last}, indent=2))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary (rank 0's), not one per rank
+        print(json.dumps({"out": str(out), **last}, indent=2))
     return 0
 
 

@@ -91,10 +91,17 @@ def plot_roc_curves(
             ylim=(0, 1.01),
         )
         ax.legend(loc="lower right", fontsize="small")
+    _finish(fig, title)
+    return _save(fig, path)
+
+
+def _finish(fig: Any, title: str | None, *, right: float = 1.0) -> None:
+    """Lay the panels out below the figure's title (if any), leaving its first line clear."""
+    top = 1.0
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    return _save(fig, path)
+        top = 1.0 - 0.45 / fig.get_figheight()  # ~0.45 inch for one title line
+    fig.tight_layout(rect=(0, 0, right, top))
 
 
 def _histogram_bins(values: np.ndarray, bins: int) -> tuple[np.ndarray, bool]:
@@ -177,9 +184,7 @@ def plot_transport_histograms(
                 ax, np.asarray(costs[clean]), np.asarray(costs[label]), label, quantiles
             )
         axes[-1][col].set_xlabel("transport cost C = sum over blocks of ||r_m||^2 / d_m")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+    _finish(fig, title)
     return _save(fig, path)
 
 
@@ -232,7 +237,5 @@ def plot_feature_trajectories(
         bbox_to_anchor=(right, 0.5),
         fontsize="small",
     )
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, right, 1))
+    _finish(fig, title, right=right)
     return _save(fig, path)
