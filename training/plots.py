@@ -100,7 +100,7 @@ def _finish(fig: Any, title: str | None, *, right: float = 1.0) -> None:
     top = 1.0
     if title:
         fig.suptitle(title)
-        top = 1.0 - 0.45 / fig.get_figheight()  # ~0.45 inch for one title line
+        top = 1.0 - 0.15 / fig.get_figheight()  # a little air below the title
     fig.tight_layout(rect=(0, 0, right, top))
 
 
