@@ -23,9 +23,13 @@ Handler = Callable[[argparse.Namespace], int]
 # ---- data ------------------------------------------------------------------------------------
 def _add_data(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="lay out the embedded Fashion-MNIST (or download a data set)")
-    p.add_argument("--root", type=Path, default=None, help="data root (default $LAPGUARD_DATA or ./data)")
+    p.add_argument(
+        "--root", type=Path, default=None, help="data root (default $LAPGUARD_DATA or ./data)"
+    )
     p.add_argument("--dataset", default="fashion-mnist", help="data set name (see --list)")
-    p.add_argument("--download", action="store_true", help="download through torchvision (needs internet)")
+    p.add_argument(
+        "--download", action="store_true", help="download through torchvision (needs internet)"
+    )
     p.add_argument("--list", action="store_true", help="list the known data sets")
     p.set_defaults(handler=_run_data)
 
@@ -35,7 +39,9 @@ def _run_data(args: argparse.Namespace) -> int:
 
     if args.list:
         for name, info in sorted(DATASETS.items()):
-            print(f"{name:15s} {info.channels}x{info.height}x{info.width}  {len(info.class_names)} classes")
+            print(
+                f"{name:15s} {info.channels}x{info.height}x{info.width}  {len(info.class_names)} classes"
+            )
         print(f"OOD sets: {', '.join(OOD_SETS)} (plus any data set above)")
         return 0
     if args.dataset == "fashion-mnist" and not args.download:
@@ -78,12 +84,18 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.preset is None and args.config is None:
         raise LapguardError("train needs --preset NAME or --config FILE (see --list-presets)")
     config = get_train_preset(args.preset) if args.preset else read_train_config(args.config)
-    updates = {k: v for k, v in (("device", args.device), ("epochs", args.epochs), ("seed", args.seed)) if v is not None}
+    updates = {
+        k: v
+        for k, v in (("device", args.device), ("epochs", args.epochs), ("seed", args.seed))
+        if v is not None
+    }
     if updates:
         config = config.model_validate({**config.model_dump(), **updates})
     out = args.out or Path("runs") / config.name
     last = train(config, out, root=args.root, progress=not args.no_progress)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary (rank 0's), not one per rank
+    if (
+        os.environ.get("RANK", "0") == "0"
+    ):  # under torchrun: one summary (rank 0's), not one per rank
         print(json.dumps({"out": str(out), **last}, indent=2))
     return 0
 
@@ -211,12 +223,17 @@ def _run_attack(args: argparse.Namespace) -> int:
 
 # ---- pipeline / fit / evaluate / report / bundle ------------------------------------------------
 def _add_pipeline(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pipeline", help="train -> attack -> evaluate -> fit -> report -> bundle, cached and resumable")
+    p = sub.add_parser(
+        "pipeline",
+        help="train -> attack -> evaluate -> fit -> report -> bundle, cached and resumable",
+    )
     p.add_argument("--preset", help="smoke, quick, ... (see --list-presets)")
     p.add_argument("--out", type=Path, help="run directory (default runs/<preset>)")
     p.add_argument("--root", type=Path, default=None, help="data root")
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--list-presets", action="store_true", help="print the pipeline presets and exit")
+    p.add_argument(
+        "--list-presets", action="store_true", help="print the pipeline presets and exit"
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(handler=_run_pipeline)
 
@@ -227,7 +244,9 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     if args.list_presets:
         for name, preset in PIPELINE_PRESETS.items():
             attacks = ", ".join(f"{a.key}(n={a.n})" for a in preset.attacks)
-            print(f"{name:8s} networks={list(preset.models.values())} detectors={preset.detectors} attacks: {attacks}")
+            print(
+                f"{name:8s} networks={list(preset.models.values())} detectors={preset.detectors} attacks: {attacks}"
+            )
         return 0
     if not args.preset:
         raise LapguardError("pipeline needs --preset NAME (see --list-presets)")
@@ -239,13 +258,17 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     run = args.out or Path("runs") / config.name
     started = time.perf_counter()
     results = run_pipeline(config, run, root=args.root, progress=not args.no_progress)
-    print(f"pipeline {config.name} finished in {time.perf_counter() - started:.0f}s: {run / 'report.md'}, bundle in {run / 'bundle'}")
+    print(
+        f"pipeline {config.name} finished in {time.perf_counter() - started:.0f}s: {run / 'report.md'}, bundle in {run / 'bundle'}"
+    )
     for name, model in results["models"].items():
         print(f"  {name}: test accuracy {model['test_accuracy']:.4f}")
     return 0
 
 
-def _add_run_step(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
+def _add_run_step(
+    sub: argparse._SubParsersAction, name: str, help_text: str
+) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_text)
     p.add_argument("--run", type=Path, required=True, help="pipeline run directory")
     p.add_argument("--root", type=Path, default=None, help="data root")
@@ -254,11 +277,19 @@ def _add_run_step(sub: argparse._SubParsersAction, name: str, help_text: str) ->
 
 
 def _add_steps(sub: argparse._SubParsersAction) -> None:
-    p = _add_run_step(sub, "fit", "fit the deployable detector of a run and calibrate its threshold")
-    p.add_argument("--detector", default="transport", choices=["transport", "mahalanobis", "nss", "quantile"])
+    p = _add_run_step(
+        sub, "fit", "fit the deployable detector of a run and calibrate its threshold"
+    )
+    p.add_argument(
+        "--detector", default="transport", choices=["transport", "mahalanobis", "nss", "quantile"]
+    )
     p.set_defaults(handler=_run_fit)
-    _add_run_step(sub, "evaluate", "run the seen/unseen/OOD detection protocols of a run").set_defaults(handler=_run_evaluate)
-    _add_run_step(sub, "report", "write report.md, figures and results.json of a run").set_defaults(handler=_run_report)
+    _add_run_step(
+        sub, "evaluate", "run the seen/unseen/OOD detection protocols of a run"
+    ).set_defaults(handler=_run_evaluate)
+    _add_run_step(sub, "report", "write report.md, figures and results.json of a run").set_defaults(
+        handler=_run_report
+    )
     p = _add_run_step(sub, "bundle", "write the deployable bundle of a run")
     p.add_argument("--out", type=Path, default=None, help="bundle directory (default RUN/bundle)")
     p.set_defaults(handler=_run_bundle)
@@ -271,7 +302,9 @@ def _run_fit(args: argparse.Namespace) -> int:
         raise LapguardError(
             f"{args.detector} is evaluated by `lapguard evaluate`; the deployable detector is transport"
         )
-    out = fit_deployable(read_pipeline_config(args.run), args.run, root=args.root, progress=not args.no_progress)
+    out = fit_deployable(
+        read_pipeline_config(args.run), args.run, root=args.root, progress=not args.no_progress
+    )
     print(json.dumps(json.loads((out / "detector.json").read_text())["calibration"], indent=2))
     return 0
 
@@ -279,10 +312,14 @@ def _run_fit(args: argparse.Namespace) -> int:
 def _run_evaluate(args: argparse.Namespace) -> int:
     from training.pipeline import evaluate, read_pipeline_config
 
-    result = evaluate(read_pipeline_config(args.run), args.run, root=args.root, progress=not args.no_progress)
+    result = evaluate(
+        read_pipeline_config(args.run), args.run, root=args.root, progress=not args.no_progress
+    )
     for row in result["detection"]:
-        print(f"{row['model']:8s} {row['detector']:12s} {row['setting']:7s} {row['train_attack']:>12s} -> {row['test_attack']:12s} "
-              f"accuracy {row['accuracy']:.4f} ± {row['accuracy_std']:.4f}  auroc {row['auroc']:.4f}")
+        print(
+            f"{row['model']:8s} {row['detector']:12s} {row['setting']:7s} {row['train_attack']:>12s} -> {row['test_attack']:12s} "
+            f"accuracy {row['accuracy']:.4f} ± {row['accuracy_std']:.4f}  auroc {row['auroc']:.4f}"
+        )
     return 0
 
 
@@ -291,7 +328,11 @@ def _run_report(args: argparse.Namespace) -> int:
     from training.report import write_report
 
     config = read_pipeline_config(args.run)
-    write_results(config, args.run, generate_attacks(config, args.run, root=args.root, progress=not args.no_progress))
+    write_results(
+        config,
+        args.run,
+        generate_attacks(config, args.run, root=args.root, progress=not args.no_progress),
+    )
     print(write_report(args.run))
     return 0
 
@@ -305,12 +346,18 @@ def _run_bundle(args: argparse.Namespace) -> int:
 
 # ---- demo ------------------------------------------------------------------------------------
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run (or reuse) the quick pipeline, then serve its bundle on 127.0.0.1")
+    p = sub.add_parser(
+        "demo", help="run (or reuse) the quick pipeline, then serve its bundle on 127.0.0.1"
+    )
     p.add_argument("--preset", default="quick", help="pipeline preset (default quick)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default runs/<preset>)")
     p.add_argument("--root", type=Path, default=None, help="data root")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--no-serve", action="store_true", help="prepare everything, print the commands, do not serve")
+    p.add_argument(
+        "--no-serve",
+        action="store_true",
+        help="prepare everything, print the commands, do not serve",
+    )
     p.set_defaults(handler=_run_demo)
 
 
@@ -324,7 +371,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     run_pipeline(config, run, root=args.root)
     samples = write_demo_samples(config, run, run / "demo", root=args.root)
     url = f"http://127.0.0.1:{args.port}"
-    print(f"\nreport: {run / 'report.md'}\nbundle: {run / 'bundle'}\n\nOnce the server says it is ready, try:")
+    print(
+        f"\nreport: {run / 'report.md'}\nbundle: {run / 'bundle'}\n\nOnce the server says it is ready, try:"
+    )
     for kind, path in samples.items():
         print(f"  curl -s -F files=@{path} {url}/v1/predict    # {kind} image")
     print(f"  curl -s {url}/readyz;  curl -s {url}/metrics | head\n")
@@ -344,14 +393,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="serve a bundle over HTTP: /v1/predict, KServe v2, /metrics",
         epilog="Every setting also reads LAPGUARD_<NAME> (e.g. LAPGUARD_API_KEY, LAPGUARD_MAX_BODY_BYTES).",
     )
-    p.add_argument("--bundle", type=Path, default=None, help="bundle directory (default $LAPGUARD_BUNDLE)")
+    p.add_argument(
+        "--bundle", type=Path, default=None, help="bundle directory (default $LAPGUARD_BUNDLE)"
+    )
     p.add_argument("--host", default=None, help="interface (default $LAPGUARD_HOST or 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default $LAPGUARD_PORT or 8000)")
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N (default auto)")
     p.add_argument("--max-batch-size", type=int, default=None, help="most images per forward pass")
     p.add_argument("--max-wait-ms", type=float, default=None, help="longest wait to fill a batch")
     p.add_argument("--max-queue", type=int, default=None, help="most images waiting before 429")
-    p.add_argument("--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"]
+    )
     p.set_defaults(handler=_run_serve)
 
 
@@ -359,7 +412,16 @@ def _run_serve(args: argparse.Namespace) -> int:
     from service.server import serve
     from service.settings import load_settings
 
-    flags = ("bundle", "host", "port", "device", "max_batch_size", "max_wait_ms", "max_queue", "log_level")
+    flags = (
+        "bundle",
+        "host",
+        "port",
+        "device",
+        "max_batch_size",
+        "max_wait_ms",
+        "max_queue",
+        "log_level",
+    )
     serve(load_settings(**{name: getattr(args, name) for name in flags}))
     return 0
 
@@ -373,26 +435,84 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
         "label, class_name, confidence, flagged, score, threshold; or error. Re-running the same "
         "command resumes an interrupted run.",
     )
-    p.add_argument("inputs", nargs="*", metavar="INPUT", help="image files, folders (recursive), .npy/.npz arrays")
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="image files, folders (recursive), .npy/.npz arrays",
+    )
     target = p.add_mutually_exclusive_group()
-    target.add_argument("--bundle", type=Path, default=None, help="bundle directory, scored here (default $LAPGUARD_BUNDLE)")
-    target.add_argument("--url", default=None, help="score on a running server instead, e.g. http://127.0.0.1:8000")
-    p.add_argument("--out", type=Path, default=Path("results.jsonl"), help="output file (default results.jsonl)")
-    p.add_argument("--format", choices=["jsonl", "csv"], default=None, help="default: csv for a .csv --out, else jsonl")
-    p.add_argument("--batch-size", type=int, default=None, help="images per forward pass (default 256), or per request with --url (default 32)")
-    p.add_argument("--workers", type=int, default=2, help="data-loading processes, or Ray actors with --engine ray (default 2)")
+    target.add_argument(
+        "--bundle",
+        type=Path,
+        default=None,
+        help="bundle directory, scored here (default $LAPGUARD_BUNDLE)",
+    )
+    target.add_argument(
+        "--url", default=None, help="score on a running server instead, e.g. http://127.0.0.1:8000"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results.jsonl"),
+        help="output file (default results.jsonl)",
+    )
+    p.add_argument(
+        "--format",
+        choices=["jsonl", "csv"],
+        default=None,
+        help="default: csv for a .csv --out, else jsonl",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="images per forward pass (default 256), or per request with --url (default 32)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="data-loading processes, or Ray actors with --engine ray (default 2)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--engine", choices=["local", "ray"], default="local", help="local (default) or ray (pip install 'lapguard[ray]')")
-    p.add_argument("--ray-address", default=None, help="Ray cluster address (HOST:6379 or auto; default: a local Ray)")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight with --url (default 4)")
-    p.add_argument("--retries", type=int, default=5, help="retries of a request answered 429/503 or not connected (default 5)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request with --url (default 60)")
+    p.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local (default) or ray (pip install 'lapguard[ray]')",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster address (HOST:6379 or auto; default: a local Ray)",
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=4, help="requests in flight with --url (default 4)"
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=5,
+        help="retries of a request answered 429/503 or not connected (default 5)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds per request with --url (default 60)"
+    )
     p.add_argument("--api-key", default=None, help="API key for --url (default $LAPGUARD_API_KEY)")
-    p.add_argument("--dataset", default=None, help="also score a data set by name (see `lapguard data --list`)")
-    p.add_argument("--split", default="test", choices=["train", "test"], help="data set split (default test)")
+    p.add_argument(
+        "--dataset", default=None, help="also score a data set by name (see `lapguard data --list`)"
+    )
+    p.add_argument(
+        "--split", default="test", choices=["train", "test"], help="data set split (default test)"
+    )
     p.add_argument("--root", type=Path, default=None, help="data root")
     p.add_argument("--n", type=int, default=None, help="only the first N images of the data set")
-    p.add_argument("--retry-errors", action="store_true", help="score again the inputs whose rows hold an error")
+    p.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="score again the inputs whose rows hold an error",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_score)
 
@@ -433,7 +553,12 @@ def _run_score(args: argparse.Namespace) -> int:
     if args.dataset is not None:
         if args.n is not None and args.n < 1:
             raise ConfigError(f"--n must be positive, got {args.n}")
-        inputs.append(InMemoryInput(f"{args.dataset}:{args.split}", _score_dataset(args.dataset, args.split, args.root, args.n)))
+        inputs.append(
+            InMemoryInput(
+                f"{args.dataset}:{args.split}",
+                _score_dataset(args.dataset, args.split, args.root, args.n),
+            )
+        )
     if not inputs:
         raise ConfigError("score needs INPUT paths or --dataset NAME")
     fmt = args.format or ("csv" if args.out.suffix.lower() == ".csv" else "jsonl")
@@ -444,37 +569,70 @@ def _run_score(args: argparse.Namespace) -> int:
         if args.engine != "local":
             raise ConfigError("--url scores on a server; --engine ray needs --bundle")
         summary = score_url(
-            args.url, inputs, args.out, batch_size=args.batch_size or 32, concurrency=args.concurrency,
-            retries=args.retries, timeout=args.timeout, api_key=args.api_key or os.environ.get("LAPGUARD_API_KEY"),
+            args.url,
+            inputs,
+            args.out,
+            batch_size=args.batch_size or 32,
+            concurrency=args.concurrency,
+            retries=args.retries,
+            timeout=args.timeout,
+            api_key=args.api_key or os.environ.get("LAPGUARD_API_KEY"),
             **common,
         )
     else:
-        bundle = args.bundle or (Path(os.environ["LAPGUARD_BUNDLE"]) if os.environ.get("LAPGUARD_BUNDLE") else None)
+        bundle = args.bundle or (
+            Path(os.environ["LAPGUARD_BUNDLE"]) if os.environ.get("LAPGUARD_BUNDLE") else None
+        )
         if bundle is None:
-            raise ConfigError("score needs --bundle DIR (or $LAPGUARD_BUNDLE), or --url of a running server")
+            raise ConfigError(
+                "score needs --bundle DIR (or $LAPGUARD_BUNDLE), or --url of a running server"
+            )
         if args.engine == "ray":
             from service.ray_engine import score_inputs_ray
 
             summary = score_inputs_ray(
-                bundle, inputs, args.out, batch_size=args.batch_size or 256, num_actors=args.workers,
-                device=args.device, address=args.ray_address, **common,
+                bundle,
+                inputs,
+                args.out,
+                batch_size=args.batch_size or 256,
+                num_actors=args.workers,
+                device=args.device,
+                address=args.ray_address,
+                **common,
             )
         else:
             from detector.guard import Guard
             from service.scoring import score_inputs
 
             guard = Guard.from_bundle(bundle, device=args.device)
-            summary = score_inputs(guard, inputs, args.out, batch_size=args.batch_size or 256, num_workers=args.workers, **common)
+            summary = score_inputs(
+                guard,
+                inputs,
+                args.out,
+                batch_size=args.batch_size or 256,
+                num_workers=args.workers,
+                **common,
+            )
     print(summary)
     return 0
 
 
-PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_add_data, _add_train, _add_attack, _add_pipeline, _add_steps, _add_demo, _add_serve, _add_score]
+PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_data,
+    _add_train,
+    _add_attack,
+    _add_pipeline,
+    _add_steps,
+    _add_demo,
+    _add_serve,
+    _add_score,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lapguard", description="Adversarial and OOD detection from residual-network transport dynamics."
+        prog="lapguard",
+        description="Adversarial and OOD detection from residual-network transport dynamics.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in PARSERS:
@@ -490,7 +648,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lapguard {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"lapguard {args.command}: interrupted; re-run the same command to resume", file=sys.stderr)
+        print(
+            f"lapguard {args.command}: interrupted; re-run the same command to resume",
+            file=sys.stderr,
+        )
         return 130
 
 
