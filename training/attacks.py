@@ -544,10 +544,10 @@ def _seeded_starts(
     init_size: int,
     seed: int,
     refine: Callable[..., np.ndarray] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Initial adversarial images for the decision-based attacks, drawn as ART draws them (uniform
     images until one is classified differently, at most ``init_size``) but from a seeded generator:
-    ART's own draw uses an unseeded ``RandomState``. Returns (starts, found)."""
+    ART's own draw uses an unseeded ``RandomState``. Returns (starts, found, clean predictions)."""
     rng = np.random.default_rng([seed, 1])
     low, high = runner.config.input_spec.value_range
     preds = runner.classifier.predict(x).argmax(1)
@@ -561,7 +561,7 @@ def _seeded_starts(
             start = candidates[hits[0]]
             starts[i] = refine(start, x[i], int(preds[i])) if refine is not None else start
             found[i] = True
-    return starts, found
+    return starts, found, preds
 
 
 #: Overshoots tried, smallest first, to move a decision-based result off the boundary.
@@ -604,12 +604,13 @@ def _decision_based_run(
     refine: Callable[..., np.ndarray] | None,
 ) -> RunFn:
     def run(x: np.ndarray, y: np.ndarray, seed: int) -> np.ndarray:
-        starts, found = _seeded_starts(runner, x, init_size=p.init_size, seed=seed, refine=refine)
+        starts, found, preds = _seeded_starts(
+            runner, x, init_size=p.init_size, seed=seed, refine=refine
+        )
         x_adv = x.copy()  # no adversarial start found: the sample is left as is (as ART does)
         if found.any():
             generated = attack.generate(x=x[found], y=y[found], x_adv_init=starts[found])
-            clean_pred = runner.classifier.predict(x[found], batch_size=128).argmax(1)
-            x_adv[found] = clear_of_boundary(runner, x[found], generated, clean_pred, p.margin)
+            x_adv[found] = clear_of_boundary(runner, x[found], generated, preds[found], p.margin)
         return x_adv
 
     return run
