@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from detector.bundle import BundleManifest, load_bundle
@@ -23,10 +22,8 @@ from detector.errors import ConfigError, InputError
 from detector.features import TransportFeatureExtractor
 from detector.forest import TransportDetector
 from detector.networks import InputSpec, load, resolve_device
+from detector.preprocessing import prepare_images
 from detector.quantile import QuantileDetector
-
-# ITU-R 601-2 luma, as PIL's "L" conversion.
-LUMA = (0.299, 0.587, 0.114)
 
 
 @dataclass
@@ -138,130 +135,9 @@ class Guard:
     # Inputs
     # ---------------------------------------------------------------------------------------
     def prepare(self, images: Sequence[np.ndarray] | np.ndarray) -> torch.Tensor:
-        """Images (uint8 0..255, or floats in the value range; HW, HWC or CHW) -> float32 CPU
-        tensor [N, C, H, W] in the input spec. Channels are converted (RGB -> gray by luma,
-        gray -> RGB by repetition, alpha dropped) and sizes resized (bilinear, antialiased)
-        unless the spec is strict, which refuses any other shape. A numpy array is a stack of
-        images along its first axis."""
-        if isinstance(images, np.ndarray):
-            if images.ndim not in (3, 4):
-                raise InputError(
-                    f"an array of images must be [N, H, W] or [N, H, W, C] / [N, C, H, W], got shape {images.shape}; "
-                    "wrap a single image in a list"
-                )
-            stacked = self._prepare_stack(images)
-            if stacked is not None:
-                return stacked
-            images = list(images)
-        if len(images) == 0:
-            raise InputError("no images given")
-        return torch.stack(
-            [self._prepare_one(np.asarray(image), i) for i, image in enumerate(images)]
-        )
-
-    def _prepare_stack(self, images: np.ndarray) -> torch.Tensor | None:
-        """The whole stack at once when it already has the spec's size and channels (NCHW, NHWC,
-        or NHW for one channel) and valid pixels; None sends it through the per-image path, which
-        converts what needs converting and names the image at fault."""
-        spec = self.input_spec
-        if images.ndim == 4 and images.shape[1:] == spec.shape:
-            chw = images
-        elif images.ndim == 4 and images.shape[1:] == (spec.height, spec.width, spec.channels):
-            chw = images.transpose(0, 3, 1, 2)
-        elif (
-            images.ndim == 3
-            and spec.channels == 1
-            and images.shape[1:] == (spec.height, spec.width)
-        ):
-            chw = images[:, None]
-        else:
-            return None
-        low, high = spec.value_range
-        if images.dtype == np.uint8:
-            x = torch.from_numpy(np.ascontiguousarray(chw)).float() * ((high - low) / 255.0) + low
-            return x
-        if not np.issubdtype(images.dtype, np.floating):
-            return None
-        x = torch.from_numpy(np.ascontiguousarray(chw, dtype=np.float32))
-        slack = 1e-3 * (high - low)
-        if not torch.isfinite(x).all() or x.min() < low - slack or x.max() > high + slack:
-            return None
-        return x.clamp(low, high)
-
-    def _prepare_one(self, image: np.ndarray, index: int) -> torch.Tensor:
-        spec = self.input_spec
-        low, high = spec.value_range
-        if image.dtype == np.uint8:
-            x = torch.from_numpy(image.astype(np.float32)) * ((high - low) / 255.0) + low
-        elif np.issubdtype(image.dtype, np.floating):
-            x = torch.from_numpy(image.astype(np.float32))
-            if not torch.isfinite(x).all():
-                raise InputError(f"image {index} contains NaN or infinite values")
-            slack = 1e-3 * (high - low)
-            if x.numel() and (x.min() < low - slack or x.max() > high + slack):
-                raise InputError(
-                    f"image {index}: float pixels must lie in the value range [{low}, {high}], got "
-                    f"[{x.min().item():.4g}, {x.max().item():.4g}]; send uint8 (0..255) or scale the floats"
-                )
-            x = x.clamp(low, high)
-        else:
-            raise InputError(
-                f"image {index}: unsupported pixel type {image.dtype}; use uint8 or float"
-            )
-        x = self._to_chw(x, index)
-        if x.shape == spec.shape:
-            return x
-        if spec.resize == "strict":
-            raise InputError(
-                f"image {index} has shape {'x'.join(map(str, x.shape))} (channels x height x width); "
-                f"this model takes exactly {'x'.join(map(str, spec.shape))} and its input spec is strict"
-            )
-        x = self._convert_channels(x, index)
-        if x.shape[1:] != (spec.height, spec.width):
-            x = F.interpolate(
-                x.unsqueeze(0),
-                size=(spec.height, spec.width),
-                mode="bilinear",
-                antialias=True,
-                align_corners=False,
-            )[0].clamp(low, high)
-        return x
-
-    def _to_chw(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        if x.ndim == 2:
-            return x.unsqueeze(0)
-        if x.ndim != 3:
-            raise InputError(f"image {index} must be HW, HWC or CHW, got {x.ndim} dimensions")
-        if x.shape[0] == self.input_spec.channels and tuple(x.shape[1:]) == (
-            self.input_spec.height,
-            self.input_spec.width,
-        ):
-            return x
-        if x.shape[2] in (1, 2, 3, 4):
-            return x.permute(2, 0, 1)
-        if x.shape[0] in (1, 2, 3, 4):
-            return x
-        raise InputError(
-            f"image {index} with shape {tuple(x.shape)} has no channel axis of 1 to 4 channels"
-        )
-
-    def _convert_channels(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        target = self.input_spec.channels
-        channels = x.shape[0]
-        if channels == target:
-            return x
-        if channels in (2, 4):  # drop alpha
-            x, channels = x[: channels - 1], channels - 1
-        if channels == target:
-            return x
-        if channels == 3 and target == 1:
-            luma = torch.tensor(LUMA, dtype=x.dtype).view(3, 1, 1)
-            return (x * luma).sum(dim=0, keepdim=True)
-        if channels == 1 and target == 3:
-            return x.expand(3, -1, -1).contiguous()
-        raise InputError(
-            f"image {index}: cannot convert {channels} channel(s) to the model's {target}"
-        )
+        """Images -> float32 CPU tensor [N, C, H, W] in the input spec: see
+        :func:`detector.preprocessing.prepare_images`."""
+        return prepare_images(images, self.input_spec)
 
     # ---------------------------------------------------------------------------------------
     # Scoring

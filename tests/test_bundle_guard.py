@@ -16,6 +16,7 @@ from detector.errors import ArtefactError, InputError
 from detector.features import extract_features
 from detector.forest import TransportDetector
 from detector.guard import Guard
+from detector.preprocessing import prepare_images, scale_uint8
 from detector.quantile import QuantileDetector
 
 
@@ -241,29 +242,20 @@ def test_prepare_refuses_in_strict_mode_and_bad_pixels(guard: Guard) -> None:
         guard.predict(np.zeros((2, 3, 28, 28), np.float32))
 
 
-def test_prepare_repeats_gray_into_rgb_and_keeps_rgba_for_four_channels(run: dict) -> None:
+def test_prepare_repeats_gray_into_rgb_and_keeps_rgba_for_four_channels() -> None:
     spec = networks.InputSpec(channels=3, height=16, width=16, mean=[0.5] * 3, std=[0.25] * 3)
-    rgb_guard = Guard(
-        run["model"],
-        torch.nn.Identity(),
-        input_spec=spec,
-        class_names=["a"],
-        threshold=0.5,
-        device="cpu",
-    )
     gray = np.full((28, 28), 51, np.uint8)
-    batch = rgb_guard.prepare([gray])
+    batch = prepare_images([gray], spec)
     assert batch.shape == (1, 3, 16, 16) and torch.allclose(batch, torch.full_like(batch, 0.2))
     rgba_spec = spec.model_copy(update={"channels": 4, "mean": [0.5] * 4, "std": [0.25] * 4})
-    rgba_guard = Guard(
-        run["model"],
-        torch.nn.Identity(),
-        input_spec=rgba_spec,
-        class_names=["a"],
-        threshold=0.5,
-        device="cpu",
-    )
-    assert rgba_guard.prepare([np.zeros((20, 20, 4), np.uint8)]).shape == (1, 4, 16, 16)
+    assert prepare_images([np.zeros((20, 20, 4), np.uint8)], rgba_spec).shape == (1, 4, 16, 16)
+
+
+def test_scale_uint8_maps_0_and_255_onto_the_value_range() -> None:
+    pixels = np.array([[0, 51, 255]], np.uint8)
+    scaled = scale_uint8(pixels, (-1.0, 1.0))
+    assert scaled.dtype == torch.float32
+    torch.testing.assert_close(scaled, torch.tensor([[-1.0, -0.6, 1.0]]), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["nhw", "nchw", "nhwc"])

@@ -1,0 +1,149 @@
+"""Images as they come (uint8 or floats; HW, HWC or CHW; any size) -> the network's input spec.
+
+The ONE conversion of pixels to a batch: :meth:`detector.guard.Guard.prepare`, the service and
+batch scoring all call :func:`prepare_images` (or :func:`scale_uint8` for the value-range scaling
+alone), so the same image gives the same tensor everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from detector.errors import InputError
+from detector.networks import InputSpec
+
+# ITU-R 601-2 luma, as PIL's "L" conversion.
+LUMA = (0.299, 0.587, 0.114)
+
+
+def scale_uint8(pixels: np.ndarray, value_range: tuple[float, float]) -> torch.Tensor:
+    """uint8 pixels (0..255, any layout) as float32 in ``value_range``, linearly."""
+    low, high = value_range
+    x = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32))
+    return x * ((high - low) / 255.0) + low
+
+
+def prepare_images(images: Sequence[np.ndarray] | np.ndarray, spec: InputSpec) -> torch.Tensor:
+    """Images (uint8 0..255, or floats in the value range; HW, HWC or CHW) -> float32 CPU
+    tensor [N, C, H, W] in ``spec``. Channels are converted (RGB -> gray by luma, gray -> RGB by
+    repetition, alpha dropped) and sizes resized (bilinear, antialiased) unless the spec is
+    strict, which refuses any other shape. A numpy array is a stack of images along its first
+    axis."""
+    if isinstance(images, np.ndarray):
+        if images.ndim not in (3, 4):
+            raise InputError(
+                f"an array of images must be [N, H, W] or [N, H, W, C] / [N, C, H, W], got shape {images.shape}; "
+                "wrap a single image in a list"
+            )
+        stacked = prepare_stack(images, spec)
+        if stacked is not None:
+            return stacked
+        images = list(images)
+    if len(images) == 0:
+        raise InputError("no images given")
+    return torch.stack([prepare_one(np.asarray(image), spec, i) for i, image in enumerate(images)])
+
+
+def prepare_stack(images: np.ndarray, spec: InputSpec) -> torch.Tensor | None:
+    """The whole stack at once when it already has the spec's size and channels (NCHW, NHWC,
+    or NHW for one channel) and valid pixels; None sends it through the per-image path, which
+    converts what needs converting and names the image at fault."""
+    if images.ndim == 4 and images.shape[1:] == spec.shape:
+        chw = images
+    elif images.ndim == 4 and images.shape[1:] == (spec.height, spec.width, spec.channels):
+        chw = images.transpose(0, 3, 1, 2)
+    elif images.ndim == 3 and spec.channels == 1 and images.shape[1:] == (spec.height, spec.width):
+        chw = images[:, None]
+    else:
+        return None
+    low, high = spec.value_range
+    if images.dtype == np.uint8:
+        return scale_uint8(chw, spec.value_range)
+    if not np.issubdtype(images.dtype, np.floating):
+        return None
+    x = torch.from_numpy(np.ascontiguousarray(chw, dtype=np.float32))
+    slack = 1e-3 * (high - low)
+    if not torch.isfinite(x).all() or x.min() < low - slack or x.max() > high + slack:
+        return None
+    return x.clamp(low, high)
+
+
+def prepare_one(image: np.ndarray, spec: InputSpec, index: int) -> torch.Tensor:
+    """One image -> [C, H, W] in ``spec``; ``index`` names it in errors."""
+    x = _pixels(image, spec.value_range, index)
+    x = to_chw(x, spec, index)
+    if x.shape == spec.shape:
+        return x
+    if spec.resize == "strict":
+        raise InputError(
+            f"image {index} has shape {'x'.join(map(str, x.shape))} (channels x height x width); "
+            f"this model takes exactly {'x'.join(map(str, spec.shape))} and its input spec is strict"
+        )
+    x = convert_channels(x, spec.channels, index)
+    if x.shape[1:] != (spec.height, spec.width):
+        low, high = spec.value_range
+        x = F.interpolate(
+            x.unsqueeze(0),
+            size=(spec.height, spec.width),
+            mode="bilinear",
+            antialias=True,
+            align_corners=False,
+        )[0].clamp(low, high)
+    return x
+
+
+def _pixels(image: np.ndarray, value_range: tuple[float, float], index: int) -> torch.Tensor:
+    """uint8 scaled to ``value_range``, or floats checked to lie in it (to a small slack)."""
+    low, high = value_range
+    if image.dtype == np.uint8:
+        return scale_uint8(image, value_range)
+    if not np.issubdtype(image.dtype, np.floating):
+        raise InputError(f"image {index}: unsupported pixel type {image.dtype}; use uint8 or float")
+    x = torch.from_numpy(image.astype(np.float32))
+    if not torch.isfinite(x).all():
+        raise InputError(f"image {index} contains NaN or infinite values")
+    slack = 1e-3 * (high - low)
+    if x.numel() and (x.min() < low - slack or x.max() > high + slack):
+        raise InputError(
+            f"image {index}: float pixels must lie in the value range [{low}, {high}], got "
+            f"[{x.min().item():.4g}, {x.max().item():.4g}]; send uint8 (0..255) or scale the floats"
+        )
+    return x.clamp(low, high)
+
+
+def to_chw(x: torch.Tensor, spec: InputSpec, index: int) -> torch.Tensor:
+    """HW, HWC or CHW -> CHW (an exact match of the spec's CHW shape is kept as it is)."""
+    if x.ndim == 2:
+        return x.unsqueeze(0)
+    if x.ndim != 3:
+        raise InputError(f"image {index} must be HW, HWC or CHW, got {x.ndim} dimensions")
+    if x.shape[0] == spec.channels and tuple(x.shape[1:]) == (spec.height, spec.width):
+        return x
+    if x.shape[2] in (1, 2, 3, 4):
+        return x.permute(2, 0, 1)
+    if x.shape[0] in (1, 2, 3, 4):
+        return x
+    raise InputError(
+        f"image {index} with shape {tuple(x.shape)} has no channel axis of 1 to 4 channels"
+    )
+
+
+def convert_channels(x: torch.Tensor, target: int, index: int) -> torch.Tensor:
+    """CHW with 1 to 4 channels -> ``target`` channels (alpha dropped, luma, repetition)."""
+    channels = x.shape[0]
+    if channels == target:
+        return x
+    if channels in (2, 4):  # drop alpha
+        x, channels = x[: channels - 1], channels - 1
+    if channels == target:
+        return x
+    if channels == 3 and target == 1:
+        luma = torch.tensor(LUMA, dtype=x.dtype).view(3, 1, 1)
+        return (x * luma).sum(dim=0, keepdim=True)
+    if channels == 1 and target == 3:
+        return x.expand(3, -1, -1).contiguous()
+    raise InputError(f"image {index}: cannot convert {channels} channel(s) to the model's {target}")
