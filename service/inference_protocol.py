@@ -230,3 +230,32 @@ def response_body(header: dict[str, Any], binary: bytes) -> tuple[bytes, dict[st
     if not binary:
         return encoded, {}, "application/json"
     return encoded + binary, {HEADER_LENGTH: str(len(encoded))}, BINARY_MEDIA_TYPE
+
+
+# ---- the client side (batch scoring over HTTP) -------------------------------------------------
+def binary_request(
+    name: str, array: np.ndarray, datatype: Datatype, *, outputs: Sequence[str]
+) -> tuple[bytes, dict[str, str]]:
+    """Body and headers of an infer request with one input in the binary tensor extension,
+    asking for ``outputs`` in JSON."""
+    tensor = np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype])
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": name,
+                    "datatype": datatype,
+                    "shape": list(tensor.shape),
+                    "parameters": {"binary_data_size": tensor.nbytes},
+                }
+            ],
+            "outputs": [{"name": output} for output in outputs],
+        }
+    ).encode()
+    headers = {HEADER_LENGTH: str(len(header)), "Content-Type": BINARY_MEDIA_TYPE}
+    return header + tensor.tobytes(), headers
+
+
+def json_outputs(answer: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The outputs of an infer response answered in JSON, by name, in their shapes."""
+    return {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in answer.get("outputs", [])}

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from detector.images import decode_image
-from service.client import HttpScorer, _drive, score_url
-from service.scoring import (
+from service.batch import (
     RESULT_KEYS,
     InMemoryInput,
     discover_inputs,
@@ -21,6 +20,7 @@ from service.scoring import (
     run_scoring,
     score_inputs,
 )
+from service.batch.http import HttpScorer, _drive, score_url
 from service.settings import Settings
 from tests.test_service import CLASSES, LiveServer, encode, service_bundle, synthetic_images
 from training.cli import main as cli_main
@@ -213,7 +213,7 @@ def test_interrupted_run_resumes_without_duplicates(
 def test_run_stopped_by_an_interruption_keeps_whole_batches_and_resumes(
     guard, pixels: np.ndarray, tmp_path: Path
 ) -> None:
-    from service.scoring import local_results
+    from service.batch.local import local_results
 
     np.save(tmp_path / "x.npy", pixels)
     out = tmp_path / "out.jsonl"
@@ -386,7 +386,7 @@ def test_ray_engine_gives_the_same_rows_as_in_process(
     service_bundle: Path, guard, folder: Path, pixels: np.ndarray, tmp_path: Path
 ) -> None:
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'lapguard[ray]')")
-    from service.ray_engine import score_inputs_ray
+    from service.batch.ray import score_inputs_ray
 
     np.save(tmp_path / "more.npy", pixels)
     inputs = [folder, tmp_path / "more.npy"]

@@ -463,6 +463,19 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="default: csv for a .csv --out, else jsonl",
     )
+    _add_score_engine_flags(p)
+    _add_score_dataset_flags(p)
+    p.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="score again the inputs whose rows hold an error",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_run_score)
+
+
+def _add_score_engine_flags(p: argparse.ArgumentParser) -> None:
+    """`score`'s flags for the engines: local, Ray and --url."""
     p.add_argument(
         "--batch-size",
         type=int,
@@ -500,6 +513,10 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=60.0, help="seconds per request with --url (default 60)"
     )
     p.add_argument("--api-key", default=None, help="API key for --url (default $LAPGUARD_API_KEY)")
+
+
+def _add_score_dataset_flags(p: argparse.ArgumentParser) -> None:
+    """`score`'s flags naming a data set to score."""
     p.add_argument(
         "--dataset", default=None, help="also score a data set by name (see `lapguard data --list`)"
     )
@@ -508,112 +525,47 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--root", type=Path, default=None, help="data root")
     p.add_argument("--n", type=int, default=None, help="only the first N images of the data set")
-    p.add_argument(
-        "--retry-errors",
-        action="store_true",
-        help="score again the inputs whose rows hold an error",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(handler=_run_score)
 
 
-def _score_dataset(name: str, split: str, root: Path | None, n: int | None):
-    """The first ``n`` images of a data set, by index: torchvision's stored uint8 images when the
-    items are only those scaled to [0, 1] (ToTensor; the same pixels without PIL per image), else
-    the data set itself."""
-    import numpy as np
-    from torch.utils.data import Subset
-    from torchvision import transforms
+def _score_dataset(args: argparse.Namespace) -> list:
+    """The data set named by --dataset (its first --n images) as a batch-scoring input."""
+    from detector.errors import ConfigError
 
+    if args.dataset is None:
+        if args.n is not None:
+            raise ConfigError("--n limits --dataset; give --dataset NAME")
+        return []
+    if args.n is not None and args.n < 1:
+        raise ConfigError(f"--n must be positive, got {args.n}")
+    from service.batch import dataset_input
     from training.data import load_dataset
 
-    dataset = load_dataset(name, split, root=root)
-    count = len(dataset) if n is None else min(n, len(dataset))
-    stored = getattr(dataset, "data", None)
-    if (
-        isinstance(getattr(dataset, "transform", None), transforms.ToTensor)
-        and getattr(dataset, "target_transform", None) is None
-        and stored is not None
-        and len(stored) == len(dataset)
-        and str(stored.dtype) in ("uint8", "torch.uint8")
-    ):
-        return np.asarray(stored[:count])
-    return Subset(dataset, range(count))
+    dataset = load_dataset(args.dataset, args.split, root=args.root)
+    return [dataset_input(f"{args.dataset}:{args.split}", dataset, args.n)]
 
 
 def _run_score(args: argparse.Namespace) -> int:
-    import os
+    from service.batch import ScoreRequest, score
 
-    from detector.errors import ConfigError
-    from service.scoring import InMemoryInput
-
-    inputs: list = list(args.inputs)
-    if args.n is not None and args.dataset is None:
-        raise ConfigError("--n limits --dataset; give --dataset NAME")
-    if args.dataset is not None:
-        if args.n is not None and args.n < 1:
-            raise ConfigError(f"--n must be positive, got {args.n}")
-        inputs.append(
-            InMemoryInput(
-                f"{args.dataset}:{args.split}",
-                _score_dataset(args.dataset, args.split, args.root, args.n),
-            )
-        )
-    if not inputs:
-        raise ConfigError("score needs INPUT paths or --dataset NAME")
-    fmt = args.format or ("csv" if args.out.suffix.lower() == ".csv" else "jsonl")
-    common = {"fmt": fmt, "progress": not args.no_progress, "retry_errors": args.retry_errors}
-    if args.url is not None:
-        from service.client import score_url
-
-        if args.engine != "local":
-            raise ConfigError("--url scores on a server; --engine ray needs --bundle")
-        summary = score_url(
-            args.url,
-            inputs,
-            args.out,
-            batch_size=args.batch_size or 32,
-            concurrency=args.concurrency,
-            retries=args.retries,
-            timeout=args.timeout,
-            api_key=args.api_key or os.environ.get("LAPGUARD_API_KEY"),
-            **common,
-        )
-    else:
-        bundle = args.bundle or (
-            Path(os.environ["LAPGUARD_BUNDLE"]) if os.environ.get("LAPGUARD_BUNDLE") else None
-        )
-        if bundle is None:
-            raise ConfigError(
-                "score needs --bundle DIR (or $LAPGUARD_BUNDLE), or --url of a running server"
-            )
-        if args.engine == "ray":
-            from service.ray_engine import score_inputs_ray
-
-            summary = score_inputs_ray(
-                bundle,
-                inputs,
-                args.out,
-                batch_size=args.batch_size or 256,
-                num_actors=args.workers,
-                device=args.device,
-                address=args.ray_address,
-                **common,
-            )
-        else:
-            from detector.guard import Guard
-            from service.scoring import score_inputs
-
-            guard = Guard.from_bundle(bundle, device=args.device)
-            summary = score_inputs(
-                guard,
-                inputs,
-                args.out,
-                batch_size=args.batch_size or 256,
-                num_workers=args.workers,
-                **common,
-            )
-    print(summary)
+    request = ScoreRequest(
+        inputs=[*args.inputs, *_score_dataset(args)],
+        out=args.out,
+        bundle=args.bundle,
+        url=args.url,
+        engine=args.engine,
+        fmt=args.format,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        device=args.device,
+        ray_address=args.ray_address,
+        concurrency=args.concurrency,
+        retries=args.retries,
+        timeout=args.timeout,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+        retry_errors=args.retry_errors,
+    )
+    print(score(request))
     return 0
 
 

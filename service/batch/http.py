@@ -1,7 +1,7 @@
 """Batch scoring against a running server (``lapguard score --url``).
 
-The same inputs, output rows, resume and summary as in-process scoring (:mod:`service.scoring`
-does all of that); only the engine differs: image files are sent as they are to
+The same inputs, output rows, resume and summary as in-process scoring
+(:mod:`service.batch.runner` does all of that); only the engine differs: image files are sent as they are to
 ``POST /v1/predict`` (multipart ``files``), array and data-set items as FP32 tensors to the
 KServe v2 ``infer`` route (binary tensor extension), so floats are never rounded to 8 bits.
 
@@ -11,39 +11,37 @@ At most ``concurrency`` requests are in flight (an httpx AsyncClient and a semap
 ``retry_errors`` to try those again). A request refused for its content (400, 413, 415, 422,
 500) is split in halves until the input at fault is alone, and only that one gets the error.
 A refused API key (401/403) or an unknown route (404) stops the run: no row could succeed.
+Error answers are read in their route's shape: ``{"error": {"code", "message"}}`` under
+``/v1``, the Open Inference Protocol's ``{"error": "message"}`` under ``/v2``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import httpx
 import numpy as np
 
 from detector.errors import ConfigError, LapguardError
-from service.scoring import (
-    RESULT_KEYS,
-    Format,
-    InputItem,
-    InputLike,
-    Row,
-    ScoringSummary,
-    describe_error,
-    load_payload,
-    run_scoring,
-)
+from detector.preprocessing import scale_uint8
+from service.batch.inputs import InputItem, InputLike, Payload, Unusable, read_payload
+from service.batch.runner import RunOptions, ScoringSummary, run_scoring
+from service.batch.writer import RESULT_KEYS, Row
+from service.inference_protocol import binary_request, json_outputs
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; annotations only
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 FATAL_STATUSES = frozenset({401, 403, 404})
 V2_OUTPUTS = ("probabilities", "label", "flagged", "score")
-HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 @dataclass(frozen=True)
@@ -60,17 +58,16 @@ def score_url(
     inputs: Sequence[InputLike],
     out_path: str | Path,
     *,
-    fmt: Format = "jsonl",
     batch_size: int = 32,
     concurrency: int = 4,
     retries: int = 5,
     timeout: float = 60.0,
     api_key: str | None = None,
-    progress: bool = True,
-    retry_errors: bool = False,
+    **options: Unpack[RunOptions],
 ) -> ScoringSummary:
-    """Score ``inputs`` on the server at ``url`` into ``out_path``; ``batch_size`` images per
-    request, at most ``concurrency`` requests at a time; resumes an interrupted run."""
+    """Score ``inputs`` on the server at ``url`` into ``out_path`` (``options``: see
+    :func:`~service.batch.runner.run_scoring`); ``batch_size`` images per request, at most
+    ``concurrency`` requests at a time; resumes an interrupted run."""
     if batch_size < 1 or concurrency < 1 or retries < 0 or timeout <= 0:
         raise ConfigError(
             "batch size and concurrency must be at least 1, retries at least 0 and the timeout positive"
@@ -88,15 +85,7 @@ def score_url(
         )
         return _drive(client.results(pending, batch_size=batch_size))
 
-    return run_scoring(
-        inputs,
-        out_path,
-        engine,
-        fmt=fmt,
-        progress=progress,
-        retry_errors=retry_errors,
-        description=f"score {url}",
-    )
+    return run_scoring(inputs, out_path, engine, description=f"score {url}", **options)
 
 
 class HttpScorer:
@@ -166,8 +155,8 @@ class HttpScorer:
         files: list[tuple[int, bytes]] = []
         by_shape: dict[tuple[int, ...], list[tuple[int, np.ndarray]]] = {}
         for i, payload in enumerate(payloads):
-            if isinstance(payload, str):
-                results[i] = {"error": payload}
+            if isinstance(payload, Unusable):
+                results[i] = {"error": payload.reason}
             elif isinstance(payload, bytes):
                 files.append((i, payload))
             else:
@@ -207,16 +196,11 @@ class HttpScorer:
 
     async def _tensors(self, batch: np.ndarray) -> list[Row]:
         model = self._served
-        body, header_length = _v2_body(batch)
+        body, headers = binary_request("input", batch, "FP32", outputs=V2_OUTPUTS)
 
         def send() -> Awaitable[httpx.Response]:
             return self._client.post(
-                f"/v2/models/{quote(model.name, safe='')}/infer",
-                content=body,
-                headers={
-                    HEADER_LENGTH: str(header_length),
-                    "Content-Type": "application/octet-stream",
-                },
+                f"/v2/models/{quote(model.name, safe='')}/infer", content=body, headers=headers
             )
 
         outcome = await self._request(send)
@@ -305,53 +289,26 @@ class HttpScorer:
 # ---- payloads and answers ----------------------------------------------------------------------
 def _load_all(
     group: Sequence[InputItem], value_range: tuple[float, float]
-) -> list[bytes | np.ndarray | str]:
+) -> list[Payload | Unusable]:
     """Per input: a file's bytes, an array item as float32 in the value range (CHW or HWC; HW
-    gets a channel axis; uint8 scaled exactly as ``Guard.prepare`` does), or why it cannot be
-    read."""
-    loaded: list[bytes | np.ndarray | str] = []
-    for item in group:
-        try:
-            payload = load_payload(item)
-        except Exception as error:  # unreadable: an error row
-            loaded.append(describe_error(error))
-            continue
-        if isinstance(payload, bytes):
-            loaded.append(payload)
-            continue
-        image = np.asarray(payload)
-        if image.dtype == np.uint8:
-            low, high = value_range
-            image = image.astype(np.float32) * np.float32((high - low) / 255.0) + np.float32(low)
-        if image.ndim == 2:
-            image = image[None]
-        loaded.append(image)
-    return loaded
+    gets a channel axis; uint8 scaled by :func:`detector.preprocessing.scale_uint8`, as the
+    Guard does), or why it cannot be read."""
+    return [_for_the_server(read_payload(item), value_range) for item in group]
 
 
-def _v2_body(batch: np.ndarray) -> tuple[bytes, int]:
-    """An FP32 infer request in the binary tensor extension, answered in JSON."""
-    tensor = np.ascontiguousarray(batch, dtype="<f4")
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "input",
-                    "datatype": "FP32",
-                    "shape": list(tensor.shape),
-                    "parameters": {"binary_data_size": tensor.nbytes},
-                }
-            ],
-            "outputs": [{"name": name} for name in V2_OUTPUTS],
-        }
-    ).encode()
-    return header + tensor.tobytes(), len(header)
+def _for_the_server(
+    payload: Payload | Unusable, value_range: tuple[float, float]
+) -> Payload | Unusable:
+    if isinstance(payload, (bytes, Unusable)):
+        return payload
+    image = np.asarray(payload)
+    if image.dtype == np.uint8:
+        image = scale_uint8(image, value_range).numpy()
+    return image[None] if image.ndim == 2 else image
 
 
 def _v2_rows(answer: dict, model: ServedModel) -> list[Row]:
-    outputs = {
-        o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in answer.get("outputs", [])
-    }
+    outputs = json_outputs(answer)
     probabilities = outputs["probabilities"].astype(np.float32)
     labels = outputs["label"].astype(np.int64)
     threshold = float(answer.get("parameters", {})["threshold"])
@@ -369,8 +326,12 @@ def _v2_rows(answer: dict, model: ServedModel) -> list[Row]:
 
 
 def _message(response: httpx.Response) -> str:
+    """An error answer's message: ``{"error": "message"}`` under /v2 (Open Inference Protocol),
+    ``{"error": {"code": ..., "message": ...}}`` elsewhere; else the start of the body."""
     try:
-        return str(response.json()["error"]["message"])
+        error = response.json()["error"]
+        v2 = response.request.url.path.startswith("/v2/")
+        return str(error if v2 and isinstance(error, str) else error["message"])
     except (ValueError, KeyError, TypeError):
         return response.text[:200] or response.reason_phrase
 

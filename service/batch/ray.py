@@ -1,7 +1,7 @@
 """Batch scoring sharded over a Ray cluster (``lapguard score --engine ray``).
 
 The driver discovers the inputs, resumes and writes the output exactly as in-process scoring
-(:mod:`service.scoring`); what changes is where the network runs: a pool of Ray actors, each of
+(:mod:`service.batch.runner`); what changes is where the network runs: a pool of Ray actors, each of
 which loads the Guard from the bundle ONCE, receives batches (encoded file bytes or array items)
 and returns their result rows. Batches are submitted round-robin, at most two per actor in
 flight, and collected in submission order, so the rows come out in input order, as locally.
@@ -20,25 +20,25 @@ import tempfile
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from detector.errors import ArtefactError, ConfigError, LapguardError
-from service.scoring import (
-    Format,
+from service.batch.batches import prepare_batch, score_batch
+from service.batch.inputs import (
     InputItem,
     InputLike,
-    Row,
-    ScoringSummary,
+    Payload,
     Unusable,
-    collate,
     describe_error,
-    load_payload,
-    prepare_payload,
-    run_scoring,
-    score_batch,
+    read_payload,
 )
+from service.batch.runner import RunOptions, ScoringSummary, run_scoring
+from service.batch.writer import Row
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; annotations only
 
 
 def import_ray() -> Any:
@@ -67,12 +67,9 @@ class GuardWorker:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def score(self, payloads: Sequence[bytes | np.ndarray | Unusable]) -> list[Row]:
-        guard = self.guard
-        prepared = [
-            prepare_payload(guard.prepare, p, channels=guard.input_spec.channels) for p in payloads
-        ]
-        return score_batch(guard, collate(prepared))
+    def score(self, payloads: Sequence[Payload | Unusable]) -> list[Row]:
+        """The result rows of a batch of payloads, in order."""
+        return score_batch(self.guard, prepare_batch(self.guard, payloads))
 
 
 def bundle_files(bundle: Path) -> dict[str, bytes]:
@@ -89,16 +86,16 @@ def score_inputs_ray(
     inputs: Sequence[InputLike],
     out_path: str | Path,
     *,
-    fmt: Format = "jsonl",
     batch_size: int = 256,
     num_actors: int = 2,
     device: str = "auto",
     address: str | None = None,
-    progress: bool = True,
-    retry_errors: bool = False,
+    **options: Unpack[RunOptions],
 ) -> ScoringSummary:
     """Score ``inputs`` on ``num_actors`` Ray actors (one GPU each when the cluster has GPUs
-    and ``device`` is not cpu) into ``out_path``, with the output of :func:`score_inputs`."""
+    and ``device`` is not cpu) into ``out_path``, with the output of
+    :func:`~service.batch.local.score_inputs` (``options``: see
+    :func:`~service.batch.runner.run_scoring`)."""
     ray = import_ray()
     if batch_size < 1 or num_actors < 1:
         raise ConfigError("batch size and the number of Ray actors must be at least 1")
@@ -115,27 +112,13 @@ def score_inputs_ray(
             address=address,
         )
 
-    return run_scoring(
-        inputs,
-        out_path,
-        engine,
-        fmt=fmt,
-        progress=progress,
-        retry_errors=retry_errors,
-        description="score (ray)",
-    )
+    return run_scoring(inputs, out_path, engine, description="score (ray)", **options)
 
 
-def _payloads(group: Sequence[InputItem]) -> list[bytes | np.ndarray | Unusable]:
-    loaded: list[bytes | np.ndarray | Unusable] = []
-    for item in group:
-        try:
-            payload = load_payload(item)
-        except Exception as error:  # unreadable: an error row
-            loaded.append(Unusable(describe_error(error)))
-            continue
-        loaded.append(np.ascontiguousarray(payload) if isinstance(payload, np.ndarray) else payload)
-    return loaded
+def _payloads(group: Sequence[InputItem]) -> list[Payload | Unusable]:
+    """The group's payloads, arrays made contiguous (memory-mapped slices do not travel)."""
+    loaded = [read_payload(item) for item in group]
+    return [np.ascontiguousarray(p) if isinstance(p, np.ndarray) else p for p in loaded]
 
 
 def _ray_results(
