@@ -404,3 +404,25 @@ def test_ray_engine_gives_the_same_rows_as_in_process(
     )
     assert_same_rows(read_jsonl(distributed), read_jsonl(local))
     assert (summary.count, summary.errors) == (19, 1)
+
+
+def test_client_reads_v2_errors_in_their_own_shape(pixels: np.ndarray, tmp_path: Path) -> None:
+    """Array items go to /v2 infer; its refusals are ``{"error": "message"}`` (Open Inference
+    Protocol), not /v1's ``{"error": {"code", "message"}}``: the row carries the message."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/model":
+            return httpx.Response(
+                200,
+                json={"name": "m", "class_names": CLASSES, "input_spec": {"value_range": [0, 1]}},
+            )
+        assert request.url.path == "/v2/models/m/infer"
+        return httpx.Response(400, json={"error": "input 'input': bad pixels", "code": "bad"})
+
+    np.save(tmp_path / "x.npy", pixels[:2])
+    summary = _score_with(
+        httpx.MockTransport(handler), [tmp_path / "x.npy"], tmp_path / "out.jsonl", retries=0
+    )
+    rows = read_jsonl(tmp_path / "out.jsonl")
+    assert summary.errors == 2
+    assert [r["error"] for r in rows] == ["HTTP 400: input 'input': bad pixels"] * 2

@@ -547,23 +547,13 @@ def _score_dataset(args: argparse.Namespace) -> list:
 def _run_score(args: argparse.Namespace) -> int:
     from service.batch import ScoreRequest, score
 
+    flags = ("out", "bundle", "url", "engine", "batch_size", "workers", "device", "ray_address")
+    flags += ("concurrency", "retries", "timeout", "api_key", "retry_errors")
     request = ScoreRequest(
         inputs=[*args.inputs, *_score_dataset(args)],
-        out=args.out,
-        bundle=args.bundle,
-        url=args.url,
-        engine=args.engine,
         fmt=args.format,
-        batch_size=args.batch_size,
-        workers=args.workers,
-        device=args.device,
-        ray_address=args.ray_address,
-        concurrency=args.concurrency,
-        retries=args.retries,
-        timeout=args.timeout,
-        api_key=args.api_key,
         progress=not args.no_progress,
-        retry_errors=args.retry_errors,
+        **{name: getattr(args, name) for name in flags},
     )
     print(score(request))
     return 0
