@@ -5,6 +5,7 @@ Pure formatting: every function takes results and returns lines; nothing here co
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 ATTACK_COLUMNS = (
@@ -108,7 +109,7 @@ def detection_lines(rows: Iterable[Mapping[str, Any]]) -> list[str]:
     ]
 
 
-def pipeline_summary(name: str, run: Any, seconds: float, results: Mapping[str, Any]) -> list[str]:
+def pipeline_summary(name: str, run: Path, seconds: float, results: Mapping[str, Any]) -> list[str]:
     """Where a finished pipeline put its report and bundle, and each network's accuracy."""
     head = (
         f"pipeline {name} finished in {seconds:.0f}s: {run / 'report.md'}, "

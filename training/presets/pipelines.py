@@ -1,4 +1,7 @@
-"""Named pipeline presets (``lapguard pipeline --preset NAME``): networks, attacks, detectors, protocols."""
+"""Named pipeline presets (``lapguard pipeline --preset NAME``): networks, attacks, detectors, protocols.
+
+``smoke`` and ``quick`` run on 2 CPU cores; ``paper-*`` are seed 003's experiments, for GPU machines
+with those data sets on disk (``lapguard pipeline --preset paper-... --check`` checks them first)."""
 
 from __future__ import annotations
 
@@ -97,51 +100,6 @@ _CPU_NOT_RUN = [
     },
 ]
 
-PIPELINE_PRESETS: dict[str, PipelineConfig] = {
-    "smoke": PipelineConfig(
-        name="smoke",
-        models={"vanilla": "smoke-vanilla", "lap": "smoke-lap"},
-        attacks=[AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=600)],
-        detectors=["transport", "mahalanobis", "quantile"],
-        ood_train=["fgm-eps0.1"],
-        ood_n=200,
-        seeds=2,
-        test_fraction=0.2,
-        mahalanobis_clean_n=500,
-        mahalanobis_magnitudes=[0.0, 0.001],
-        not_run=[
-            {"attack": a, "reason": "the smoke preset runs FGM only"}
-            for a in ("apgd", "bim", "cw", "deepfool", "hsj", "boundary", "autoattack")
-        ],
-    ),
-    "quick": PipelineConfig(
-        name="quick",
-        models={"vanilla": "quick-vanilla", "lap": "quick-lap"},
-        attacks=[
-            AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=10000),
-            AttackRun(key="fgm-eps0.03", attack="fgm", params={"eps": 0.03}, n=2000),
-            # BIM (~20 ms/image) and APGD (~0.12 s/image) get as many images as the 45-minute budget
-            # on 2 CPU cores allows: with 2000/500 images the detector was 0.1-1.5 points short of
-            # 95% (session-1 run), limited by the number of training pairs.
-            AttackRun(key="bim", attack="bim", params={"eps": 0.1}, n=5000),
-            AttackRun(key="apgd", attack="apgd", params={"eps": 0.1}, n=1500),
-            # CW (~1.4 s/image) and DeepFool (~0.7-1.1 s/image) on 2 CPU cores: stated subsets.
-            AttackRun(key="cw", attack="cw", n=100),
-            AttackRun(key="deepfool", attack="deepfool", n=100),
-        ],
-        detectors=["transport", "mahalanobis", "quantile"],
-        seen=["fgm-eps0.1", "fgm-eps0.03", "bim", "apgd", "cw", "deepfool"],
-        unseen_train="fgm-eps0.1",
-        ood_train=["fgm-eps0.1", "cw"],
-        ood_n=1000,
-        seeds=5,
-        mahalanobis_magnitudes=[0.0, 0.001],  # each magnitude > 0 costs a backward per layer
-        deploy_attacks=["fgm-eps0.1", "bim", "apgd", "cw", "deepfool"],
-        not_run=_CPU_NOT_RUN,
-    ),
-}
-
-
 # Seed 003, section 5.4 and appendix H: FGM/APGD/BIM at eps 0.03 (Linf), CW and HSJ in L2, ART's
 # defaults otherwise (HSJ 50, BA 5000, CW 10, APGD and DeepFool 100 iterations); one adversarial
 # example per test image, the test set split 0.9/0.1 into detection training and test sets.
@@ -190,33 +148,72 @@ def _paper_preset(
     )
 
 
-PIPELINE_PRESETS.update(
-    {
-        "paper-cifar10-resnet110": _paper_preset(
-            "paper-cifar10-resnet110",
-            "cifar10",
-            ["fgm", "apgd", "bim", "autoattack", "deepfool", "cw", "hsj", "boundary"],
-            ood_train=["cifar100", "cw"],
-            ood_test=["cifar100", "svhn"],
-        ),
-        "paper-cifar100-resnext50": _paper_preset(
-            "paper-cifar100-resnext50",
-            "cifar100",
-            ["fgm", "apgd", "bim", "autoattack", "deepfool", "cw"],
-            ood_train=["autoattack", "cw"],
-            ood_test=["svhn"],
-        ),
-        # The seed has no OOD experiment on TinyImageNet: the data-free OOD sets only.
-        "paper-tinyimagenet-wrn": _paper_preset(
-            "paper-tinyimagenet-wrn",
-            "imagefolder",
-            ["fgm", "apgd", "bim", "autoattack", "deepfool", "cw"],
-            seen=["fgm", "apgd", "bim", "autoattack"],  # DeepFool and CW: unseen only (table 13)
-            ood_train=[],
-            ood_test=["digits", "noise"],
-        ),
-    }
-)
+PIPELINE_PRESETS: dict[str, PipelineConfig] = {
+    "smoke": PipelineConfig(
+        name="smoke",
+        models={"vanilla": "smoke-vanilla", "lap": "smoke-lap"},
+        attacks=[AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=600)],
+        detectors=["transport", "mahalanobis", "quantile"],
+        ood_train=["fgm-eps0.1"],
+        ood_n=200,
+        seeds=2,
+        test_fraction=0.2,
+        mahalanobis_clean_n=500,
+        mahalanobis_magnitudes=[0.0, 0.001],
+        not_run=[
+            {"attack": a, "reason": "the smoke preset runs FGM only"}
+            for a in ("apgd", "bim", "cw", "deepfool", "hsj", "boundary", "autoattack")
+        ],
+    ),
+    "quick": PipelineConfig(
+        name="quick",
+        models={"vanilla": "quick-vanilla", "lap": "quick-lap"},
+        attacks=[
+            AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=10000),
+            AttackRun(key="fgm-eps0.03", attack="fgm", params={"eps": 0.03}, n=2000),
+            # BIM (~20 ms/image) and APGD (~0.12 s/image) get as many images as the 45-minute budget
+            # on 2 CPU cores allows: with 2000/500 images the detector was 0.1-1.5 points short of
+            # 95% (session-1 run), limited by the number of training pairs.
+            AttackRun(key="bim", attack="bim", params={"eps": 0.1}, n=5000),
+            AttackRun(key="apgd", attack="apgd", params={"eps": 0.1}, n=1500),
+            # CW (~1.4 s/image) and DeepFool (~0.7-1.1 s/image) on 2 CPU cores: stated subsets.
+            AttackRun(key="cw", attack="cw", n=100),
+            AttackRun(key="deepfool", attack="deepfool", n=100),
+        ],
+        detectors=["transport", "mahalanobis", "quantile"],
+        seen=["fgm-eps0.1", "fgm-eps0.03", "bim", "apgd", "cw", "deepfool"],
+        unseen_train="fgm-eps0.1",
+        ood_train=["fgm-eps0.1", "cw"],
+        ood_n=1000,
+        seeds=5,
+        mahalanobis_magnitudes=[0.0, 0.001],  # each magnitude > 0 costs a backward per layer
+        deploy_attacks=["fgm-eps0.1", "bim", "apgd", "cw", "deepfool"],
+        not_run=_CPU_NOT_RUN,
+    ),
+    "paper-cifar10-resnet110": _paper_preset(
+        "paper-cifar10-resnet110",
+        "cifar10",
+        ["fgm", "apgd", "bim", "autoattack", "deepfool", "cw", "hsj", "boundary"],
+        ood_train=["cifar100", "cw"],
+        ood_test=["cifar100", "svhn"],
+    ),
+    "paper-cifar100-resnext50": _paper_preset(
+        "paper-cifar100-resnext50",
+        "cifar100",
+        ["fgm", "apgd", "bim", "autoattack", "deepfool", "cw"],
+        ood_train=["autoattack", "cw"],
+        ood_test=["svhn"],
+    ),
+    # The seed has no OOD experiment on TinyImageNet: the data-free OOD sets only.
+    "paper-tinyimagenet-wrn": _paper_preset(
+        "paper-tinyimagenet-wrn",
+        "imagefolder",
+        ["fgm", "apgd", "bim", "autoattack", "deepfool", "cw"],
+        seen=["fgm", "apgd", "bim", "autoattack"],  # DeepFool and CW: unseen only (table 13)
+        ood_train=[],
+        ood_test=["digits", "noise"],
+    ),
+}
 
 
 def list_pipeline_presets() -> list[str]:
