@@ -1,12 +1,17 @@
-"""Each paper-scale preset's real network trains for a few steps on tiny data in torchvision's format."""
+"""The paper-scale presets: each pipeline preset validates, each real network trains for a few
+steps on tiny data in torchvision's format, and the pre-flight check runs on such data."""
 
 from __future__ import annotations
 
 import pytest
 
 from detector import networks
-from tests.ondisk import write_cifar, write_tiny_imagenet
+from detector.errors import DataNotFoundError
+from tests.ondisk import write_cifar, write_svhn, write_tiny_imagenet
+from training.attacks import list_attacks
+from training.preflight import check_names, check_pipeline
 from training.presets import get_train_preset
+from training.presets.pipelines import get_pipeline_preset, list_pipeline_presets
 from training.trainer import train
 
 WRITERS = {
@@ -38,3 +43,38 @@ def test_paper_preset_network_trains_a_few_steps(tmp_path, family) -> None:
     model = networks.load(tmp_path / "run")
     assert model.config.architecture == preset.architecture
     assert len(model.tap_names()) > 3
+
+
+@pytest.mark.parametrize("family", sorted(WRITERS))
+def test_paper_pipeline_preset_validates(family) -> None:
+    config = get_pipeline_preset(family)
+    check_names(config)
+    assert family in list_pipeline_presets()
+    assert {get_train_preset(p).objective for p in config.models.values()} == {"vanilla", "lap"}
+    keys = [a.key for a in config.attacks]
+    assert keys[:3] == ["fgm", "apgd", "bim"] and config.unseen_train == "fgm"
+    assert all(a.attack in list_attacks() for a in config.attacks)
+    assert {a["attack"] for a in config.not_run}.isdisjoint(keys)
+    assert config.mahalanobis_magnitudes[-1] == 0.01 and "nss" in config.detectors
+
+
+def test_paper_cifar10_preflight_on_tiny_data(tmp_path) -> None:
+    root = tmp_path / "data"
+    write_cifar(root, classes=10, n=4)
+    write_cifar(root, classes=100, n=4)
+    write_svhn(root, n=4)
+    report = check_pipeline(get_pipeline_preset("paper-cifar10-resnet110"), root=root)
+    assert report.data == {
+        "cifar10 train": 20,
+        "cifar10 test": 4,
+        "cifar100 test": 4,
+        "svhn test": 4,
+    }
+    assert sorted(report.networks) == ["lap", "vanilla"]
+    assert "resnet110" in report.networks["lap"] and "logits (2, 10)" in report.networks["lap"]
+
+
+def test_paper_cifar10_preflight_names_the_missing_data(tmp_path) -> None:
+    write_cifar(tmp_path, classes=10, n=4)  # CIFAR-10 only: the OOD set CIFAR-100 is absent
+    with pytest.raises(DataNotFoundError, match="cifar100"):
+        check_pipeline(get_pipeline_preset("paper-cifar10-resnet110"), root=tmp_path)

@@ -1,23 +1,32 @@
 """The ``lapguard`` command line: the one module that parses arguments.
 
+Each ``_run_*`` handler parses, then calls one library function and prints what it returns.
 Every command imports its library code lazily, so ``lapguard serve``/``score`` work without the
-training stack's heavy extras (ART, matplotlib). Library errors (LapguardError) are printed as one
-clear line and exit with status 2; nothing half-done is left behind by the library code.
+training stack's heavy extras (ART, matplotlib). A command called with missing or conflicting
+arguments raises ``UsageError``; every LapguardError is printed as one clear line and exits with
+status 2 (like argparse's own usage errors); nothing half-done is left behind by the library code.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from detector.errors import LapguardError
+from detector.errors import ConfigError, LapguardError
 
 Handler = Callable[[argparse.Namespace], int]
+
+
+class UsageError(ConfigError):
+    """A command was called with missing, malformed or conflicting arguments."""
+
+
+def _print_lines(lines: Sequence[str]) -> int:
+    print("\n".join(lines))
+    return 0
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -35,18 +44,13 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_data(args: argparse.Namespace) -> int:
-    from training.data import DATASETS, OOD_SETS, load_dataset, prepare_fashion_mnist
+    from training.console import dataset_lines
+    from training.data import load_dataset, prepare_fashion_mnist
 
     if args.list:
-        for name, info in sorted(DATASETS.items()):
-            print(
-                f"{name:15s} {info.channels}x{info.height}x{info.width}  {len(info.class_names)} classes"
-            )
-        print(f"OOD sets: {', '.join(OOD_SETS)} (plus any data set above)")
-        return 0
+        return _print_lines(dataset_lines())
     if args.dataset == "fashion-mnist" and not args.download:
-        raw = prepare_fashion_mnist(args.root)
-        print(f"Fashion-MNIST ready in {raw}")
+        print(f"Fashion-MNIST ready in {prepare_fashion_mnist(args.root)}")
     for split in ("train", "test"):
         dataset = load_dataset(args.dataset, split, root=args.root, download=args.download)
         print(f"{args.dataset} {split}: {len(dataset)} images")
@@ -70,32 +74,19 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from training.config import read_train_config
-    from training.presets import TRAIN_PRESETS, get_train_preset
+    from training.console import train_preset_lines
+    from training.launch import is_main_process, resolve_train_config
     from training.trainer import train
 
     if args.list_presets:
-        for name, preset in TRAIN_PRESETS.items():
-            print(
-                f"{name:36s} {preset.objective:8s} {preset.architecture:14s} {preset.dataset:14s} "
-                f"epochs={preset.epochs} batch={preset.batch_size} lr={preset.lr}"
-            )
-        return 0
+        return _print_lines(train_preset_lines())
     if args.preset is None and args.config is None:
-        raise LapguardError("train needs --preset NAME or --config FILE (see --list-presets)")
-    config = get_train_preset(args.preset) if args.preset else read_train_config(args.config)
-    updates = {
-        k: v
-        for k, v in (("device", args.device), ("epochs", args.epochs), ("seed", args.seed))
-        if v is not None
-    }
-    if updates:
-        config = config.model_validate({**config.model_dump(), **updates})
+        raise UsageError("train needs --preset NAME or --config FILE (see --list-presets)")
+    overrides = {"device": args.device, "epochs": args.epochs, "seed": args.seed}
+    config = resolve_train_config(preset=args.preset, config_file=args.config, overrides=overrides)
     out = args.out or Path("runs") / config.name
     last = train(config, out, root=args.root, progress=not args.no_progress)
-    if (
-        os.environ.get("RANK", "0") == "0"
-    ):  # under torchrun: one summary (rank 0's), not one per rank
+    if is_main_process():  # under torchrun: one summary (rank 0's), not one per rank
         print(json.dumps({"out": str(out), **last}, indent=2))
     return 0
 
@@ -144,13 +135,12 @@ def _add_attack(sub: argparse._SubParsersAction) -> None:
 
 
 def _attack_params(pairs: Sequence[str], eps: float | None) -> dict[str, object]:
-    from detector.errors import ConfigError
-
+    """``--param KEY=VALUE`` pairs (values read as JSON, else kept as strings) and ``--eps``."""
     params: dict[str, object] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--param expects KEY=VALUE, got {pair!r}")
+            raise UsageError(f"--param expects KEY=VALUE, got {pair!r}")
         try:
             params[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:
@@ -161,18 +151,13 @@ def _attack_params(pairs: Sequence[str], eps: float | None) -> dict[str, object]
 
 
 def _run_attack(args: argparse.Namespace) -> int:
-    from detector.errors import ConfigError
     from training.adversarial import attack_run
-    from training.attacks import attack_defaults, get_attack_spec, list_attacks
+    from training.console import attack_lines, attack_table
 
     if args.list:
-        for name in list_attacks():
-            spec = get_attack_spec(name)
-            defaults = " ".join(f"{k}={v}" for k, v in attack_defaults(name).items())
-            print(f"{name:11s} {spec.kind:10s} {spec.summary}\n{'':11s} {defaults}")
-        return 0
+        return _print_lines(attack_lines())
     if args.run is None or args.attack is None:
-        raise ConfigError("attack needs --run DIR and --attack NAME (see --list)")
+        raise UsageError("attack needs --run DIR and --attack NAME (see --list)")
     sets = attack_run(
         args.run,
         args.attack,
@@ -187,38 +172,7 @@ def _run_attack(args: argparse.Namespace) -> int:
         root=args.root,
         progress=not args.no_progress,
     )
-    header = (
-        "model",
-        "attack",
-        "n",
-        "success",
-        "success|correct",
-        "median L2",
-        "median Linf",
-        "s/image",
-        "set",
-    )
-    rows = []
-    for name, adv in sets.items():
-        s = adv.summary()
-        rows.append(
-            (
-                name,
-                args.attack,
-                str(len(adv)),
-                f"{s['success_rate']:.3f}",
-                f"{s['success_rate_on_correct']:.3f}",
-                f"{s['median_l2']:.4f}",
-                f"{s['median_linf']:.4f}",
-                f"{s['seconds_per_image']:.4f}",
-                f"{adv.path}{' (cached)' if adv.from_cache else ''}",
-            )
-        )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    print("(median L2/Linf over successful samples; s/image = generation wall time / n)")
-    return 0
+    return _print_lines(attack_table(sets, args.attack))
 
 
 # ---- pipeline / fit / evaluate / report / bundle ------------------------------------------------
@@ -227,43 +181,47 @@ def _add_pipeline(sub: argparse._SubParsersAction) -> None:
         "pipeline",
         help="train -> attack -> evaluate -> fit -> report -> bundle, cached and resumable",
     )
-    p.add_argument("--preset", help="smoke, quick, ... (see --list-presets)")
+    p.add_argument("--preset", help="smoke, quick, paper-... (see --list-presets)")
     p.add_argument("--out", type=Path, help="run directory (default runs/<preset>)")
     p.add_argument("--root", type=Path, default=None, help="data root")
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N")
     p.add_argument(
         "--list-presets", action="store_true", help="print the pipeline presets and exit"
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="only check the preset: names, data on disk, one forward pass per network; "
+        "writes nothing",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(handler=_run_pipeline)
 
 
 def _run_pipeline(args: argparse.Namespace) -> int:
-    from training.presets.pipelines import PIPELINE_PRESETS, get_pipeline_preset
+    from training.console import pipeline_preset_lines, pipeline_summary
+    from training.steps import preset_config, run_preset
 
     if args.list_presets:
-        for name, preset in PIPELINE_PRESETS.items():
-            attacks = ", ".join(f"{a.key}(n={a.n})" for a in preset.attacks)
-            print(
-                f"{name:8s} networks={list(preset.models.values())} detectors={preset.detectors} attacks: {attacks}"
-            )
-        return 0
+        return _print_lines(pipeline_preset_lines())
     if not args.preset:
-        raise LapguardError("pipeline needs --preset NAME (see --list-presets)")
-    from training.pipeline import run_pipeline
+        raise UsageError("pipeline needs --preset NAME (see --list-presets)")
+    config = preset_config(args.preset, device=args.device)
+    if args.check:
+        from training.preflight import check_pipeline
 
-    config = get_pipeline_preset(args.preset)
-    if args.device:
-        config = config.model_copy(update={"device": args.device})
-    run = args.out or Path("runs") / config.name
-    started = time.perf_counter()
-    results = run_pipeline(config, run, root=args.root, progress=not args.no_progress)
-    print(
-        f"pipeline {config.name} finished in {time.perf_counter() - started:.0f}s: {run / 'report.md'}, bundle in {run / 'bundle'}"
-    )
-    for name, model in results["models"].items():
-        print(f"  {name}: test accuracy {model['test_accuracy']:.4f}")
-    return 0
+        return _print_lines(check_pipeline(config, root=args.root).lines())
+    done = run_preset(config, args.out, root=args.root, progress=not args.no_progress)
+    return _print_lines(pipeline_summary(config.name, done.run, done.seconds, done.results))
+
+
+def detector_choices() -> list[str]:
+    """The names ``lapguard fit --detector`` offers: the detectors a pipeline config accepts."""
+    from typing import get_args
+
+    from training.presets.pipelines import DetectorName
+
+    return list(get_args(DetectorName))
 
 
 def _add_run_step(
@@ -280,9 +238,7 @@ def _add_steps(sub: argparse._SubParsersAction) -> None:
     p = _add_run_step(
         sub, "fit", "fit the deployable detector of a run and calibrate its threshold"
     )
-    p.add_argument(
-        "--detector", default="transport", choices=["transport", "mahalanobis", "nss", "quantile"]
-    )
+    p.add_argument("--detector", default="transport", choices=detector_choices())
     p.set_defaults(handler=_run_fit)
     _add_run_step(
         sub, "evaluate", "run the seen/unseen/OOD detection protocols of a run"
@@ -296,44 +252,29 @@ def _add_steps(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_fit(args: argparse.Namespace) -> int:
-    from training.pipeline import fit_deployable, read_pipeline_config
+    from training.steps import fit_run
 
     if args.detector != "transport":
-        raise LapguardError(
+        raise UsageError(
             f"{args.detector} is evaluated by `lapguard evaluate`; the deployable detector is transport"
         )
-    out = fit_deployable(
-        read_pipeline_config(args.run), args.run, root=args.root, progress=not args.no_progress
-    )
-    print(json.dumps(json.loads((out / "detector.json").read_text())["calibration"], indent=2))
+    calibration = fit_run(args.run, root=args.root, progress=not args.no_progress)
+    print(json.dumps(calibration, indent=2))
     return 0
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    from training.pipeline import evaluate, read_pipeline_config
+    from training.console import detection_lines
+    from training.steps import evaluate_run
 
-    result = evaluate(
-        read_pipeline_config(args.run), args.run, root=args.root, progress=not args.no_progress
-    )
-    for row in result["detection"]:
-        print(
-            f"{row['model']:8s} {row['detector']:12s} {row['setting']:7s} {row['train_attack']:>12s} -> {row['test_attack']:12s} "
-            f"accuracy {row['accuracy']:.4f} ± {row['accuracy_std']:.4f}  auroc {row['auroc']:.4f}"
-        )
-    return 0
+    result = evaluate_run(args.run, root=args.root, progress=not args.no_progress)
+    return _print_lines(detection_lines(result["detection"]))
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from training.pipeline import generate_attacks, read_pipeline_config, write_results
-    from training.report import write_report
+    from training.steps import report_run
 
-    config = read_pipeline_config(args.run)
-    write_results(
-        config,
-        args.run,
-        generate_attacks(config, args.run, root=args.root, progress=not args.no_progress),
-    )
-    print(write_report(args.run))
+    print(report_run(args.run, root=args.root, progress=not args.no_progress))
     return 0
 
 
@@ -362,21 +303,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from training.demo import write_demo_samples
-    from training.pipeline import run_pipeline
-    from training.presets.pipelines import get_pipeline_preset
+    from training.demo import demo_instructions, prepare_demo
+    from training.steps import default_run_dir, preset_config
 
-    config = get_pipeline_preset(args.preset)
-    run = args.out or Path("runs") / config.name
-    run_pipeline(config, run, root=args.root)
-    samples = write_demo_samples(config, run, run / "demo", root=args.root)
-    url = f"http://127.0.0.1:{args.port}"
-    print(
-        f"\nreport: {run / 'report.md'}\nbundle: {run / 'bundle'}\n\nOnce the server says it is ready, try:"
-    )
-    for kind, path in samples.items():
-        print(f"  curl -s -F files=@{path} {url}/v1/predict    # {kind} image")
-    print(f"  curl -s {url}/readyz;  curl -s {url}/metrics | head\n")
+    config = preset_config(args.preset)
+    run = args.out or default_run_dir(config)
+    samples = prepare_demo(config, run, root=args.root)
+    _print_lines(demo_instructions(run, samples, args.port))
     if args.no_serve:
         return 0
     from service.server import serve
@@ -408,21 +341,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_serve)
 
 
+SERVE_FLAGS = (
+    "bundle",
+    "host",
+    "port",
+    "device",
+    "max_batch_size",
+    "max_wait_ms",
+    "max_queue",
+    "log_level",
+)
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from service.server import serve
     from service.settings import load_settings
 
-    flags = (
-        "bundle",
-        "host",
-        "port",
-        "device",
-        "max_batch_size",
-        "max_wait_ms",
-        "max_queue",
-        "log_level",
-    )
-    serve(load_settings(**{name: getattr(args, name) for name in flags}))
+    serve(load_settings(**{name: getattr(args, name) for name in SERVE_FLAGS}))
     return 0
 
 

@@ -62,3 +62,30 @@ def write_demo_samples(
         "clean": _save_png(clean[pick], out / "clean.png"),
         "adversarial": _save_png(adv[pick], out / "adversarial.png"),
     }
+
+
+def prepare_demo(config: PipelineConfig, run: Path, *, root: Path | None = None) -> dict[str, Path]:
+    """Run (or reuse) the pipeline ``config`` in ``run``, then write its demo samples to
+    ``run/demo``; return them by kind (``clean``, and ``adversarial`` when one was found)."""
+    from training.pipeline import run_pipeline
+
+    run_pipeline(config, run, root=root)
+    return write_demo_samples(config, run, run / "demo", root=root)
+
+
+def demo_instructions(run: Path, samples: dict[str, Path], port: int) -> list[str]:
+    """Where the report and bundle are, and the curl commands to try once the server is up."""
+    url = f"http://127.0.0.1:{port}"
+    return [
+        "",
+        f"report: {run / 'report.md'}",
+        f"bundle: {run / 'bundle'}",
+        "",
+        "Once the server says it is ready, try:",
+        *(
+            f"  curl -s -F files=@{path} {url}/v1/predict    # {kind} image"
+            for kind, path in samples.items()
+        ),
+        f"  curl -s {url}/readyz;  curl -s {url}/metrics | head",
+        "",
+    ]

@@ -1,4 +1,7 @@
-"""Named pipeline presets (``lapguard pipeline --preset NAME``): networks, attacks, detectors, protocols."""
+"""Named pipeline presets (``lapguard pipeline --preset NAME``): networks, attacks, detectors, protocols.
+
+``smoke`` and ``quick`` run on 2 CPU cores; ``paper-*`` are seed 003's experiments, for GPU machines
+with those data sets on disk (``lapguard pipeline --preset paper-... --check`` checks them first)."""
 
 from __future__ import annotations
 
@@ -97,6 +100,54 @@ _CPU_NOT_RUN = [
     },
 ]
 
+# Seed 003, section 5.4 and appendix H: FGM/APGD/BIM at eps 0.03 (Linf), CW and HSJ in L2, ART's
+# defaults otherwise (HSJ 50, BA 5000, CW 10, APGD and DeepFool 100 iterations); one adversarial
+# example per test image, the test set split 0.9/0.1 into detection training and test sets.
+_PAPER_ATTACKS = {
+    "fgm": AttackRun(key="fgm", attack="fgm", params={"eps": 0.03}, n=10000),
+    "apgd": AttackRun(key="apgd", attack="apgd", params={"eps": 0.03}, n=10000),
+    "bim": AttackRun(key="bim", attack="bim", params={"eps": 0.03}, n=10000),
+    "autoattack": AttackRun(key="autoattack", attack="autoattack", params={"eps": 0.03}, n=10000),
+    "deepfool": AttackRun(key="deepfool", attack="deepfool", n=10000),
+    "cw": AttackRun(key="cw", attack="cw", n=10000),
+    "hsj": AttackRun(key="hsj", attack="hsj", n=10000),
+    "boundary": AttackRun(key="boundary", attack="boundary", n=10000),
+}
+
+
+def _paper_preset(
+    family: str,
+    dataset: str,
+    attacks: list[str],
+    *,
+    seen: list[str] | None = None,
+    ood_train: list[str],
+    ood_test: list[str],
+) -> PipelineConfig:
+    """A seed-003 configuration: vanilla and LAP networks of the training presets ``family-*``,
+    the attacks that network was evaluated on (table 12), unseen attacks after training on FGM
+    (table 13), and the OOD experiments (tables 14, 15); every detector of the paper."""
+    return PipelineConfig(
+        name=family,
+        dataset=dataset,
+        models={"vanilla": f"{family}-vanilla", "lap": f"{family}-lap"},
+        attacks=[_PAPER_ATTACKS[key] for key in attacks],
+        detectors=["transport", "mahalanobis", "nss"],
+        seen=seen,
+        unseen_train="fgm",
+        ood_train=ood_train,
+        ood_test=ood_test,
+        ood_n=10000,
+        seeds=5,
+        test_fraction=0.1,
+        not_run=[
+            {"attack": key, "reason": f"the seed does not evaluate {key} on {family}"}
+            for key in _PAPER_ATTACKS
+            if key not in attacks
+        ],
+    )
+
+
 PIPELINE_PRESETS: dict[str, PipelineConfig] = {
     "smoke": PipelineConfig(
         name="smoke",
@@ -139,6 +190,29 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         deploy_attacks=["fgm-eps0.1", "bim", "apgd", "cw", "deepfool"],
         not_run=_CPU_NOT_RUN,
     ),
+    "paper-cifar10-resnet110": _paper_preset(
+        "paper-cifar10-resnet110",
+        "cifar10",
+        ["fgm", "apgd", "bim", "autoattack", "deepfool", "cw", "hsj", "boundary"],
+        ood_train=["cifar100", "cw"],
+        ood_test=["cifar100", "svhn"],
+    ),
+    "paper-cifar100-resnext50": _paper_preset(
+        "paper-cifar100-resnext50",
+        "cifar100",
+        ["fgm", "apgd", "bim", "autoattack", "deepfool", "cw"],
+        ood_train=["autoattack", "cw"],
+        ood_test=["svhn"],
+    ),
+    # The seed has no OOD experiment on TinyImageNet: the data-free OOD sets only.
+    "paper-tinyimagenet-wrn": _paper_preset(
+        "paper-tinyimagenet-wrn",
+        "imagefolder",
+        ["fgm", "apgd", "bim", "autoattack", "deepfool", "cw"],
+        seen=["fgm", "apgd", "bim", "autoattack"],  # DeepFool and CW: unseen only (table 13)
+        ood_train=[],
+        ood_test=["digits", "noise"],
+    ),
 }
 
 
@@ -147,6 +221,7 @@ def list_pipeline_presets() -> list[str]:
 
 
 def get_pipeline_preset(name: str) -> PipelineConfig:
+    """A copy of the named preset; an unknown name lists the known ones."""
     if name not in PIPELINE_PRESETS:
         raise ConfigError(
             f"unknown pipeline preset {name!r}; known: {', '.join(list_pipeline_presets())}"

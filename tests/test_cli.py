@@ -1,0 +1,110 @@
+"""The ``lapguard`` command line: usage errors, listings, and the paper pipeline presets starting
+(pre-flight check on tiny on-disk CIFAR) or stopping with a clear message when data is absent."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from detector.errors import ConfigError, LapguardError
+from tests.ondisk import write_cifar, write_svhn
+from training.cli import UsageError, build_parser, detector_choices, main
+from training.launch import resolve_train_config
+from training.presets.pipelines import list_pipeline_presets
+
+PAPER = "paper-cifar10-resnet110"
+
+
+def _error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lapguard {command}: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["pipeline"], "--preset NAME"),
+        (["train"], "--preset NAME or --config FILE"),
+        (["attack", "--attack", "fgm"], "--run DIR and --attack NAME"),
+        (["attack", "--run", "r", "--attack", "fgm", "--param", "eps"], "KEY=VALUE"),
+        (["fit", "--run", "r", "--detector", "mahalanobis"], "deployable detector is transport"),
+        (["pipeline", "--preset", "nope"], "unknown pipeline preset 'nope'"),
+        (["train", "--preset", "smoke-lap", "--epochs", "0"], "epochs: Input should be"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(argv, needle, capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert needle in _error_line(capsys, argv[0])
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_usage_error_is_the_config_error_of_the_cli() -> None:
+    assert issubclass(UsageError, ConfigError) and issubclass(UsageError, LapguardError)
+
+
+def test_fit_offers_exactly_the_detector_choices(capsys) -> None:
+    assert detector_choices() == ["transport", "mahalanobis", "nss", "quantile"]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    fit = sub.choices["fit"]
+    action = next(a for a in fit._actions if a.dest == "detector")
+    assert list(action.choices) == detector_choices() and action.default == "transport"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--run", "r", "--detector", "forest"])
+    assert exit_info.value.code == 2
+
+
+def test_listings_name_what_exists(capsys) -> None:
+    assert main(["pipeline", "--list-presets"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(list_pipeline_presets()) or sorted(listed) == list_pipeline_presets()
+    assert main(["train", "--list-presets"]) == 0
+    assert f"{PAPER}-lap" in capsys.readouterr().out
+    assert main(["data", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "cifar10" in out and out.rstrip().splitlines()[-1].startswith("OOD sets: digits, noise")
+
+
+def test_paper_preset_check_starts_on_tiny_cifar(tmp_path, capsys, monkeypatch) -> None:
+    root = tmp_path / "data"
+    write_cifar(root, classes=10, n=4)
+    write_cifar(root, classes=100, n=4)
+    write_svhn(root, n=4)
+    monkeypatch.chdir(tmp_path)
+    assert main(["pipeline", "--preset", PAPER, "--root", str(root), "--check"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"pipeline {PAPER}: config valid"
+    assert "  data cifar10 train: 20 images" in lines and "  data svhn test: 4 images" in lines
+    assert sum("resnet110" in line and "logits (2, 10)" in line for line in lines) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # --check writes nothing
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_paper_preset_without_data_stops_with_the_path(tmp_path, capsys, check) -> None:
+    empty = tmp_path / "no-data"
+    argv = ["pipeline", "--preset", PAPER, "--root", str(empty), "--out", str(tmp_path / "run")]
+    assert main([*argv, "--device", "cpu", "--no-progress", *(["--check"] if check else [])]) == 2
+    err = _error_line(capsys, "pipeline")
+    assert "data set 'cifar10' (train) not found" in err and str(empty.resolve()) in err
+    assert not (tmp_path / "run" / "models" / "vanilla" / "model.safetensors").exists()
+
+
+def test_train_config_overrides_apply_only_when_given(tmp_path) -> None:
+    config = resolve_train_config(
+        preset="smoke-lap", config_file=None, overrides={"epochs": 3, "seed": None}
+    )
+    assert (
+        config.epochs == 3
+        and config.seed
+        == resolve_train_config(preset="smoke-lap", config_file=None, overrides={}).seed
+    )
+    path = tmp_path / "c.json"
+    path.write_text(config.model_dump_json())
+    assert resolve_train_config(preset=None, config_file=path, overrides={}) == config
+    with pytest.raises(ConfigError, match="one training config"):
+        resolve_train_config(preset="smoke-lap", config_file=path, overrides={})
+    with pytest.raises(ConfigError, match="epochs"):
+        resolve_train_config(preset="smoke-lap", config_file=None, overrides={"epochs": 0})
