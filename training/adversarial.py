@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from detector import networks
 from detector.artefacts import (
     load_npz,
+    read_json,
     save_npz,
     sha256_bytes,
     sha256_file,
@@ -283,10 +284,10 @@ def _open_partial(partial: Path, key: str, batch_size: int, n: int) -> int:
     state_path = partial / STATE_FILE
     if state_path.is_file():
         try:
-            state = json.loads(state_path.read_text())
+            state = read_json(state_path)
             if state["key"] == key and state["n"] == n:
                 return int(state["batch_size"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (ArtefactError, KeyError, TypeError, ValueError):
             pass
         shutil.rmtree(partial)  # a partial set we cannot trust: start again
     partial.mkdir(parents=True, exist_ok=True)
@@ -297,7 +298,7 @@ def _open_partial(partial: Path, key: str, batch_size: int, n: int) -> int:
 
 def _add_wall_seconds(partial: Path, seconds: float) -> float:
     state_path = partial / STATE_FILE
-    state = json.loads(state_path.read_text())
+    state = read_json(state_path)
     state["wall_seconds"] = float(state.get("wall_seconds", 0.0)) + seconds
     write_json(state_path, state, indent=None)
     return state["wall_seconds"]
