@@ -677,8 +677,8 @@ def attack_images(
 
     config_path = ModelDir(model_dir).train_config_file
     try:
-        dataset_name = json.loads(config_path.read_text())["dataset"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+        dataset_name = read_json(config_path)["dataset"]
+    except (ArtefactError, KeyError, TypeError) as error:
         raise ArtefactError(f"cannot read the data set name from {config_path}: {error}") from error
     dataset = load_dataset(dataset_name, split, root=root)
     chosen = subset(dataset, n, seed)
