@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from training.adversarial import attack_images, find_networks, get_or_generate
+from training.adversarial import attack_images, get_or_generate
+from training.rundir import RunDir
 
 # (label, attack, parameter overrides, images). The seed's settings except where stated; the
 # subset sizes keep the whole run near 20 minutes on 2 shared CPU cores (measured, light load: APGD
@@ -80,7 +81,7 @@ def main() -> None:
     ]
 
     cache = args.cache or Path(tempfile.mkdtemp(prefix="attack-costs-"))
-    nets = {name: path for name, path in find_networks(args.run).items() if name in args.models}
+    nets = {name: path for name, path in RunDir(args.run).networks().items() if name in args.models}
     rows = []
     started = time.perf_counter()
     for name, model_dir in nets.items():

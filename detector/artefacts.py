@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,11 @@ def write_text(path: str | Path, text: str) -> Path:
 def write_json(path: str | Path, payload: Any, *, indent: int | None = 2) -> Path:
     """Write ``payload`` as JSON to ``path`` atomically."""
     return write_text(path, json.dumps(payload, indent=indent))
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
+    """Write ``rows`` as JSON lines to ``path`` atomically (the whole file, not an append)."""
+    return write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def save_npz(path: str | Path, **arrays: np.ndarray) -> Path:

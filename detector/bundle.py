@@ -9,7 +9,6 @@ weights and the detector's arrays are safetensors, everything else JSON.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file as load_torch
 
+from detector.artefacts import sha256_file, write_text
 from detector.calibration import Calibration
 from detector.errors import ArtefactError
 from detector.features import feature_names
@@ -126,14 +126,6 @@ class Bundle:
     detector: Detector
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def detector_kind(detector: Detector) -> str:
     for kind, cls in _DETECTOR_KINDS.items():
         if isinstance(detector, cls):
@@ -203,9 +195,7 @@ def write_bundle(
         metrics={k: float(v) for k, v in (metrics or {}).items()},
         files={f: sha256_file(out / f) for f in REQUIRED_FILES},
     )
-    tmp = out / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(manifest.model_dump_json(indent=2))
-    tmp.replace(out / MANIFEST_FILE)
+    write_text(out / MANIFEST_FILE, manifest.model_dump_json(indent=2))
     return out
 
 

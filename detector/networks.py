@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from detector.artefacts import atomic_path, write_text
 from detector.errors import ArtefactError, ConfigError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -454,12 +455,9 @@ def save(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    tmp_weights = directory / (WEIGHTS_FILE + ".tmp")
-    save_file(state, str(tmp_weights), metadata={"architecture": config.architecture})
-    tmp_weights.replace(directory / WEIGHTS_FILE)
-    tmp_config = directory / (CONFIG_FILE + ".tmp")
-    tmp_config.write_text(config.model_dump_json(indent=2))
-    tmp_config.replace(directory / CONFIG_FILE)
+    with atomic_path(directory / WEIGHTS_FILE) as tmp:
+        save_file(state, str(tmp), metadata={"architecture": config.architecture})
+    write_text(directory / CONFIG_FILE, config.model_dump_json(indent=2))
     return directory
 
 

@@ -56,3 +56,13 @@ def test_corrupt_and_missing_files_raise_artefact_errors_naming_them(tmp_path: P
     with pytest.raises(ArtefactError, match="bad.jsonl:3"):
         artefacts.read_jsonl(tmp_path / "bad.jsonl")
     assert artefacts.read_jsonl(tmp_path / "none.jsonl") == []
+
+
+def test_write_jsonl_replaces_the_whole_file(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    artefacts.append_jsonl(path, {"old": True})
+    rows = [{"epoch": 1, "x": 0.5}, {"epoch": 2, "x": None}]
+    artefacts.write_jsonl(path, rows)
+    assert path.read_text() == '{"epoch": 1, "x": 0.5}\n{"epoch": 2, "x": null}\n'
+    assert artefacts.read_jsonl(path) == rows
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]

@@ -90,6 +90,14 @@ def _tiny_config(**overrides) -> TrainConfig:
     return TrainConfig(**{**fields, **overrides})
 
 
+def test_config_fingerprint_is_stable_and_ignores_where_it_runs() -> None:
+    # Pinned: checkpoints of existing runs are keyed by it.
+    config = _tiny_config()
+    assert config.fingerprint() == "6d7a75012a0c6872"
+    assert _tiny_config(device="cuda", num_workers=3, name="x").fingerprint() == "6d7a75012a0c6872"
+    assert _tiny_config(seed=4).fingerprint() != "6d7a75012a0c6872"
+
+
 @pytest.mark.slow
 def test_train_writes_a_loadable_network_and_resumes(tmp_path, data_root) -> None:
     config = _tiny_config()

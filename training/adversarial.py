@@ -11,7 +11,6 @@ folder appears in one rename.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing
 import os
@@ -34,9 +33,19 @@ from safetensors.torch import save as safetensors_bytes
 from tqdm.auto import tqdm
 
 from detector import networks
+from detector.artefacts import (
+    load_npz,
+    read_json,
+    save_npz,
+    sha256_bytes,
+    sha256_file,
+    sha256_json,
+    write_json,
+)
 from detector.errors import ArtefactError, ConfigError, InputError
 from detector.networks import ObservableResNet
 from training.attacks import (
+    AttackParams,
     AttackRunner,
     batch_seed,
     batch_slices,
@@ -45,6 +54,7 @@ from training.attacks import (
     make_attack_params,
     predict_labels,
 )
+from training.rundir import ModelDir, RunDir
 
 FORMAT_VERSION = 1
 ARRAYS_FILE = "adversarial.npz"
@@ -125,21 +135,6 @@ class AdversarialSet:
 # --------------------------------------------------------------------------------------------
 # Checksums and keys
 # --------------------------------------------------------------------------------------------
-def _sha256_bytes(*chunks: bytes) -> str:
-    digest = hashlib.sha256()
-    for chunk in chunks:
-        digest.update(chunk)
-    return digest.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def network_sha256(model: ObservableResNet | str | Path) -> str:
     """sha256 of the network's ``model.safetensors`` (for a model in memory: of the bytes
     :func:`detector.networks.save` would write)."""
@@ -147,12 +142,12 @@ def network_sha256(model: ObservableResNet | str | Path) -> str:
         weights = Path(model) / networks.WEIGHTS_FILE
         if not weights.is_file():
             raise ArtefactError(f"no weights at {weights}")
-        return file_sha256(weights)
+        return sha256_file(weights)
     config = getattr(model, "config", None)
     if config is None:
         raise ConfigError("the network has no config: build it with build_network or load it")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    return _sha256_bytes(safetensors_bytes(state, metadata={"architecture": config.architecture}))
+    return sha256_bytes(safetensors_bytes(state, metadata={"architecture": config.architecture}))
 
 
 def set_key(
@@ -168,7 +163,7 @@ def set_key(
         "indices_sha256": indices,
         "inputs_sha256": inputs,
     }
-    return _sha256_bytes(json.dumps(payload, sort_keys=True).encode())[:16]
+    return sha256_json(payload)[:16]
 
 
 def _libraries() -> dict[str, str | None]:
@@ -184,22 +179,6 @@ def _libraries() -> dict[str, str | None]:
 # --------------------------------------------------------------------------------------------
 # Reading and writing
 # --------------------------------------------------------------------------------------------
-def _save_npz(path: Path, **arrays: np.ndarray) -> None:
-    """Write an .npz atomically (temporary file, then rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        np.savez(handle, **arrays)
-    os.replace(tmp, path)
-
-
-def _read_npz(path: Path) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError, EOFError) as error:
-        raise ArtefactError(f"cannot read {path}: {error}") from error
-
-
 def load_adversarial_set(
     directory: str | Path, *, expected_key: str | None = None
 ) -> AdversarialSet:
@@ -218,11 +197,11 @@ def load_adversarial_set(
         )
     if not arrays_path.is_file():
         raise ArtefactError(f"no arrays at {arrays_path} (manifest {manifest_path} expects them)")
-    if file_sha256(arrays_path) != manifest.arrays_sha256:
+    if sha256_file(arrays_path) != manifest.arrays_sha256:
         raise ArtefactError(
             f"{arrays_path} does not match the checksum in {manifest_path}: delete the folder to regenerate"
         )
-    arrays = _read_npz(arrays_path)
+    arrays = load_npz(arrays_path)
     missing = [k for k in ARRAY_KEYS if k not in arrays]
     if missing:
         raise ArtefactError(f"{arrays_path} lacks arrays {', '.join(missing)}")
@@ -264,7 +243,7 @@ def _run_one(
     clean = predict_labels(runner.model, x, device=runner.device)
     adv = predict_labels(runner.model, x_adv, device=runner.device)
     seconds = time.perf_counter() - start
-    _save_npz(out, x_adv=x_adv, clean_pred=clean, adv_pred=adv, seconds=np.float64(seconds))
+    save_npz(out, x_adv=x_adv, clean_pred=clean, adv_pred=adv, seconds=np.float64(seconds))
     return seconds
 
 
@@ -291,7 +270,7 @@ def _finished_batches(partial: Path, slices: list[slice]) -> dict[int, float]:
         if not path.is_file():
             continue
         try:
-            data = _read_npz(path)
+            data = load_npz(path)
             if len(data["x_adv"]) != part.stop - part.start:
                 raise ArtefactError(f"{path} holds {len(data['x_adv'])} samples")
             done[b] = float(data["seconds"])
@@ -305,26 +284,23 @@ def _open_partial(partial: Path, key: str, batch_size: int, n: int) -> int:
     state_path = partial / STATE_FILE
     if state_path.is_file():
         try:
-            state = json.loads(state_path.read_text())
+            state = read_json(state_path)
             if state["key"] == key and state["n"] == n:
                 return int(state["batch_size"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (ArtefactError, KeyError, TypeError, ValueError):
             pass
         shutil.rmtree(partial)  # a partial set we cannot trust: start again
     partial.mkdir(parents=True, exist_ok=True)
-    tmp = state_path.with_name(STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps({"key": key, "n": n, "batch_size": batch_size, "wall_seconds": 0.0}))
-    os.replace(tmp, state_path)
+    state = {"key": key, "n": n, "batch_size": batch_size, "wall_seconds": 0.0}
+    write_json(state_path, state, indent=None)
     return batch_size
 
 
 def _add_wall_seconds(partial: Path, seconds: float) -> float:
     state_path = partial / STATE_FILE
-    state = json.loads(state_path.read_text())
+    state = read_json(state_path)
     state["wall_seconds"] = float(state.get("wall_seconds", 0.0)) + seconds
-    tmp = state_path.with_name(STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, state_path)
+    write_json(state_path, state, indent=None)
     return state["wall_seconds"]
 
 
@@ -378,7 +354,7 @@ def _assemble(
     manifest: dict[str, Any],
 ) -> AdversarialSet:
     """Join the batch files into the final set and move it into place in one rename."""
-    batches = [_read_npz(_batch_path(partial, b)) for b in range(len(slices))]
+    batches = [load_npz(_batch_path(partial, b)) for b in range(len(slices))]
     x_adv = np.concatenate([b["x_adv"] for b in batches]).astype(np.float32, copy=False)
     clean_pred = np.concatenate([b["clean_pred"] for b in batches]).astype(np.int64)
     adv_pred = np.concatenate([b["adv_pred"] for b in batches]).astype(np.int64)
@@ -396,10 +372,10 @@ def _assemble(
     }
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        _save_npz(staging / ARRAYS_FILE, **arrays)
+        save_npz(staging / ARRAYS_FILE, **arrays)
         manifest = {
             **manifest,
-            "arrays_sha256": file_sha256(staging / ARRAYS_FILE),
+            "arrays_sha256": sha256_file(staging / ARRAYS_FILE),
             "batch_seconds": batch_seconds,
             "seconds_per_image": batch_seconds / len(x),
             "success_rate": float(arrays["success"].mean()),
@@ -420,6 +396,196 @@ def _assemble(
         raise
     shutil.rmtree(partial, ignore_errors=True)
     return AdversarialSet(**arrays, manifest=validated.model_dump(), path=final, from_cache=False)
+
+
+@dataclass
+class _SetPlan:
+    """A requested set, checked and keyed: what to attack, with what, and the cache key."""
+
+    attack: str
+    params: AttackParams
+    seed: int
+    net: ObservableResNet
+    model_dir: Path | None
+    x: np.ndarray
+    y: np.ndarray
+    indices: np.ndarray
+    network_sha256: str
+    indices_sha256: str
+    inputs_sha256: str
+    key: str
+
+    @property
+    def params_dict(self) -> dict[str, Any]:
+        return self.params.model_dump(mode="json")
+
+
+def _plan_set(
+    model: ObservableResNet | str | Path,
+    x: np.ndarray,
+    y: np.ndarray,
+    indices: np.ndarray,
+    attack: str,
+    params: dict[str, Any] | None,
+    *,
+    seed: int,
+    workers: int,
+) -> _SetPlan:
+    """Check the request (before anything is written) and compute the set's key."""
+    get_attack_spec(attack)
+    resolved = make_attack_params(attack, params)
+    if workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}")
+    model_dir, net = None, model
+    if isinstance(model, (str, Path)):
+        model_dir = Path(model)
+        net = networks.load(model_dir, device="cpu")
+    x, y = check_inputs(net, x, y)
+    indices = np.asarray(indices)
+    if indices.shape != (len(x),) or not np.issubdtype(indices.dtype, np.integer):
+        raise InputError(f"indices must be {len(x)} integers, got {indices.dtype}{indices.shape}")
+    net_sha = network_sha256(model_dir if model_dir is not None else net)
+    indices_sha = sha256_bytes(indices.astype(np.int64).tobytes())
+    inputs_sha = sha256_bytes(str(x.shape).encode(), x.tobytes(), y.tobytes())
+    key = set_key(
+        attack=attack,
+        params=resolved.model_dump(mode="json"),
+        seed=seed,
+        network=net_sha,
+        indices=indices_sha,
+        inputs=inputs_sha,
+    )
+    return _SetPlan(
+        attack, resolved, seed, net, model_dir, x, y, indices, net_sha, indices_sha, inputs_sha, key
+    )
+
+
+class _BatchProgress:
+    """The progress bar and the wall-time record of one generation session. Wall time goes to
+    state.json after every batch, so a killed run loses at most one batch of it."""
+
+    def __init__(
+        self, bar: Any, partial: Path, slices: list[slice], on_batch: BatchCallback | None
+    ) -> None:
+        self.bar, self.partial, self.slices, self.on_batch = bar, partial, slices, on_batch
+        self.last = time.perf_counter()
+
+    def tick(self) -> float:
+        """Add the time since the last tick to state.json; the total so far."""
+        now = time.perf_counter()
+        total = _add_wall_seconds(self.partial, now - self.last)
+        self.last = now
+        return total
+
+    def finished(self, b: int) -> None:
+        self.bar.update(self.slices[b].stop - self.slices[b].start)
+        self.tick()
+        if self.on_batch is not None:
+            self.on_batch(b, len(self.slices))
+
+
+def _announce_duration(
+    attack: str, per_image: float, pending: list[int], slices: list[slice], workers: int
+) -> None:
+    rest = sum(slices[i].stop - slices[i].start for i in pending)
+    parallel = min(workers, len(pending))
+    tqdm.write(
+        f"{attack}: {per_image:.1f} s/image; about {per_image * rest / parallel / 60:.1f} min "
+        f"for the {rest} remaining image(s) on {parallel} worker(s)",
+        file=sys.stderr,
+    )
+
+
+def _generate_pending(
+    plan: _SetPlan,
+    runner: AttackRunner,
+    partial: Path,
+    slices: list[slice],
+    pending: list[int],
+    tracker: _BatchProgress,
+    *,
+    batch_size: int,
+    workers: int,
+    progress: bool,
+) -> None:
+    """Attack every pending batch: serially, or (``workers`` > 1) in spawned processes. A slow
+    attack times its first batch here and announces how long the rest will take."""
+    x, y = plan.x, plan.y
+
+    def serial(b: int) -> float:
+        seconds = _run_one(
+            runner, x[slices[b]], y[slices[b]], b, plan.seed, _batch_path(partial, b)
+        )
+        tracker.finished(b)
+        return seconds
+
+    pending = list(pending)
+    if pending and get_attack_spec(plan.attack).slow:
+        b = pending.pop(0)
+        per_image = serial(b) / (slices[b].stop - slices[b].start)
+        if pending and progress:
+            _announce_duration(plan.attack, per_image, pending, slices, workers)
+    if not (pending and workers > 1):
+        for b in pending:
+            serial(b)
+        return
+    model_dir = plan.model_dir
+    if model_dir is None:  # workers load the network from a directory
+        model_dir = partial / "network"
+        networks.save(plan.net.cpu(), model_dir)
+        plan.net.to(runner.device)
+    _run_parallel(
+        pending,
+        x=x,
+        y=y,
+        slices=slices,
+        partial=partial,
+        model_dir=model_dir,
+        attack=plan.attack,
+        params=plan.params_dict,
+        batch_size=batch_size,
+        device=str(runner.device),
+        seed=plan.seed,
+        workers=workers,
+        finished=tracker.finished,
+    )
+
+
+def _set_manifest(
+    plan: _SetPlan, *, batch_size: int, workers: int, device: str, wall: float
+) -> dict[str, Any]:
+    """The manifest fields known before the set is assembled."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "key": plan.key,
+        "attack": plan.attack,
+        "params": plan.params_dict,
+        "seed": plan.seed,
+        "n": len(plan.x),
+        "input_shape": list(plan.x.shape[1:]),
+        "network_sha256": plan.network_sha256,
+        "indices_sha256": plan.indices_sha256,
+        "inputs_sha256": plan.inputs_sha256,
+        "batch_size": batch_size,
+        "workers": workers,
+        "device": device,
+        "libraries": _libraries(),
+        "wall_seconds": wall,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _open_runner(
+    plan: _SetPlan, partial: Path, batch_size: int | None, device: torch.device
+) -> tuple[AttackRunner, int]:
+    """The attack runner and the batch size to slice by: the one stored in the (created or
+    reopened) partial folder when resuming."""
+    runner = AttackRunner(plan.net, plan.attack, plan.params, batch_size=batch_size, device=device)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    size = _open_partial(partial, plan.key, runner.batch_size, len(plan.x))
+    if size != runner.batch_size:
+        runner = AttackRunner(plan.net, plan.attack, plan.params, batch_size=size, device=device)
+    return runner, size
 
 
 def get_or_generate(
@@ -446,168 +612,55 @@ def get_or_generate(
     spawned processes that load the network from its directory. ``on_batch(b, n_batches)`` is
     called after each newly generated batch.
     """
-    spec = get_attack_spec(attack)
-    resolved = make_attack_params(attack, params)
-    params_dict = resolved.model_dump(mode="json")
-    if workers < 1:
-        raise ConfigError(f"workers must be at least 1, got {workers}")
-    model_dir = Path(model) if isinstance(model, (str, Path)) else None
-    net = networks.load(model_dir, device="cpu") if model_dir is not None else model
-    x, y = check_inputs(net, x, y)
-    indices = np.asarray(indices)
-    if indices.shape != (len(x),) or not np.issubdtype(indices.dtype, np.integer):
-        raise InputError(f"indices must be {len(x)} integers, got {indices.dtype}{indices.shape}")
-    net_sha = network_sha256(model_dir if model_dir is not None else net)
-    indices_sha = _sha256_bytes(indices.astype(np.int64).tobytes())
-    inputs_sha = _sha256_bytes(str(x.shape).encode(), x.tobytes(), y.tobytes())
-    key = set_key(
-        attack=attack,
-        params=params_dict,
-        seed=seed,
-        network=net_sha,
-        indices=indices_sha,
-        inputs=inputs_sha,
-    )
-
-    cache_dir = Path(cache_dir)
-    final = cache_dir / f"{attack}-{key}"
-    partial = cache_dir / f"{attack}-{key}.partial"
+    plan = _plan_set(model, x, y, indices, attack, params, seed=seed, workers=workers)
+    final = Path(cache_dir) / f"{attack}-{plan.key}"
+    partial = Path(cache_dir) / f"{attack}-{plan.key}.partial"
     if final.is_dir():
         if partial.exists():  # left behind after the final rename
             shutil.rmtree(partial, ignore_errors=True)
-        return load_adversarial_set(final, expected_key=key)
+        return load_adversarial_set(final, expected_key=plan.key)
 
     device_t = networks.resolve_device(device)
-    runner = AttackRunner(net, attack, resolved, batch_size=batch_size, device=device_t)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    size = _open_partial(partial, key, runner.batch_size, len(x))
-    if size != runner.batch_size:
-        runner = AttackRunner(net, attack, resolved, batch_size=size, device=device_t)
-    slices = batch_slices(len(x), size)
+    runner, size = _open_runner(plan, partial, batch_size, device_t)
+    slices = batch_slices(len(plan.x), size)
     done = _finished_batches(partial, slices)
     pending = [b for b in range(len(slices)) if b not in done]
-
     done_images = sum(slices[b].stop - slices[b].start for b in done)
-    with tqdm(
-        total=len(x),
+    bar = tqdm(
+        total=len(plan.x),
         initial=done_images,
         desc=attack,
         unit="img",
         disable=not progress,
         dynamic_ncols=True,
-    ) as bar:
-        last = [time.perf_counter()]
-
-        def tick() -> float:
-            # Wall time goes to state.json after every batch, so a killed run loses at most one.
-            now = time.perf_counter()
-            total = _add_wall_seconds(partial, now - last[0])
-            last[0] = now
-            return total
-
-        def finished(b: int) -> None:
-            bar.update(slices[b].stop - slices[b].start)
-            tick()
-            if on_batch is not None:
-                on_batch(b, len(slices))
-
-        def serial(b: int) -> float:
-            seconds = _run_one(runner, x[slices[b]], y[slices[b]], b, seed, _batch_path(partial, b))
-            finished(b)
-            return seconds
-
+    )
+    with bar:
+        tracker = _BatchProgress(bar, partial, slices, on_batch)
         try:
-            if pending and spec.slow:
-                # Slow attacks: time the first batch here, then say how long the rest will take.
-                b = pending.pop(0)
-                per_image = serial(b) / (slices[b].stop - slices[b].start)
-                if pending and progress:
-                    rest = sum(slices[i].stop - slices[i].start for i in pending)
-                    parallel = min(workers, len(pending))
-                    tqdm.write(
-                        f"{attack}: {per_image:.1f} s/image; about {per_image * rest / parallel / 60:.1f} min "
-                        f"for the {rest} remaining image(s) on {parallel} worker(s)",
-                        file=sys.stderr,
-                    )
-            if pending and workers > 1:
-                if model_dir is None:  # workers load the network from a directory
-                    model_dir = partial / "network"
-                    networks.save(net.cpu(), model_dir)
-                    net.to(device_t)
-                _run_parallel(
-                    pending,
-                    x=x,
-                    y=y,
-                    slices=slices,
-                    partial=partial,
-                    model_dir=model_dir,
-                    attack=attack,
-                    params=params_dict,
-                    batch_size=size,
-                    device=str(device_t),
-                    seed=seed,
-                    workers=workers,
-                    finished=finished,
-                )
-            else:
-                for b in pending:
-                    serial(b)
-        finally:
-            wall = tick()
-
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "key": key,
-        "attack": attack,
-        "params": params_dict,
-        "seed": seed,
-        "n": len(x),
-        "input_shape": list(x.shape[1:]),
-        "network_sha256": net_sha,
-        "indices_sha256": indices_sha,
-        "inputs_sha256": inputs_sha,
-        "batch_size": size,
-        "workers": workers,
-        "device": str(device_t),
-        "libraries": _libraries(),
-        "wall_seconds": wall,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    return _assemble(partial, final, x=x, y=y, indices=indices, slices=slices, manifest=manifest)
-
-
-# --------------------------------------------------------------------------------------------
-# Run directories: DIR/models/<name>/ networks, DIR/attacks/<name>/<attack>-<key>/ sets
-# --------------------------------------------------------------------------------------------
-MODELS_DIR = "models"
-ATTACKS_DIR = "attacks"
-TRAIN_CONFIG_FILE = "train_config.json"
-
-
-def find_networks(run_dir: str | Path, model: str | None = None) -> dict[str, Path]:
-    """Trained networks of a run directory by name (``DIR/models/<name>/`` holding config and
-    weights); ``model`` picks one. None found is an ArtefactError."""
-    root = Path(run_dir) / MODELS_DIR
-    found = {
-        d.name: d
-        for d in sorted(root.iterdir() if root.is_dir() else [])
-        if (d / networks.CONFIG_FILE).is_file() and (d / networks.WEIGHTS_FILE).is_file()
-    }
-    if model is not None:
-        if model not in found:
-            known = ", ".join(found) or "none"
-            raise ArtefactError(
-                f"no trained network {model!r} in {root} (trained: {known}); train it first with `lapguard train`"
+            _generate_pending(
+                plan,
+                runner,
+                partial,
+                slices,
+                pending,
+                tracker,
+                batch_size=size,
+                workers=workers,
+                progress=progress,
             )
-        return {model: found[model]}
-    if not found:
-        raise ArtefactError(
-            f"no trained network in {root}: expected {root}/<name>/ with {networks.CONFIG_FILE} and "
-            f"{networks.WEIGHTS_FILE}; train one first with `lapguard train` or `lapguard pipeline`"
-        )
-    return found
+        finally:
+            wall = tracker.tick()
+    manifest = _set_manifest(
+        plan, batch_size=size, workers=workers, device=str(device_t), wall=wall
+    )
+    return _assemble(
+        partial, final, x=plan.x, y=plan.y, indices=plan.indices, slices=slices, manifest=manifest
+    )
 
 
+# --------------------------------------------------------------------------------------------
+# Run directories (layout: training/rundir.py): sets of network <name> in RUN/attacks/<name>/
+# --------------------------------------------------------------------------------------------
 def attack_images(
     model_dir: str | Path,
     *,
@@ -622,10 +675,10 @@ def attack_images(
 
     from training.data import load_dataset, subset, to_arrays
 
-    config_path = Path(model_dir) / TRAIN_CONFIG_FILE
+    config_path = ModelDir(model_dir).train_config_file
     try:
-        dataset_name = json.loads(config_path.read_text())["dataset"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+        dataset_name = read_json(config_path)["dataset"]
+    except (ArtefactError, KeyError, TypeError) as error:
         raise ArtefactError(f"cannot read the data set name from {config_path}: {error}") from error
     dataset = load_dataset(dataset_name, split, root=root)
     chosen = subset(dataset, n, seed)
@@ -657,12 +710,12 @@ def attack_run(
     make_attack_params(attack, params)
     if n is not None and n < 1:
         raise ConfigError(f"n must be positive, got {n}")
-    chosen = find_networks(run_dir, model)
+    run = RunDir(run_dir)
     sets: dict[str, AdversarialSet] = {}
-    for name, model_dir in chosen.items():
+    for name, model_dir in run.networks(model).items():
         x, y, indices = attack_images(model_dir, split=split, n=n, seed=0, root=root)
         sets[name] = get_or_generate(
-            Path(run_dir) / ATTACKS_DIR / name,
+            run.attacks(name),
             model_dir,
             x,
             y,

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from detector.artefacts import sha256_json
 from detector.errors import ConfigError
 
 
@@ -75,7 +75,7 @@ class TrainConfig(BaseModel):
     def fingerprint(self) -> str:
         """Hash of what determines the result (not where it runs), to key checkpoints."""
         relevant = self.model_dump(exclude={"device", "num_workers", "name", "verify_data"})
-        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+        return sha256_json(relevant)[:16]
 
 
 def read_train_config(path: str | Path) -> TrainConfig:

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset, Subset, random_split
 from torchvision import datasets, transforms
 
+from detector.artefacts import atomic_path
 from detector.errors import ConfigError, DataNotFoundError
 from detector.networks import InputSpec
 
@@ -367,9 +368,10 @@ def prepare_fashion_mnist(
         raise DataNotFoundError(f"Fashion-MNIST files missing in {source}: {', '.join(missing)}")
     raw.mkdir(parents=True, exist_ok=True)
     for name in FASHION_MNIST_FILES:
-        target = raw / name
-        tmp = raw / (name + ".tmp")
-        with gzip.open(source / f"{name}.gz", "rb") as src, open(tmp, "wb") as dst:
+        with (
+            atomic_path(raw / name) as tmp,
+            gzip.open(source / f"{name}.gz", "rb") as src,
+            open(tmp, "wb") as dst,
+        ):
             shutil.copyfileobj(src, dst)
-        tmp.replace(target)
     return raw

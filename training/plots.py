@@ -12,6 +12,8 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from detector.artefacts import atomic_path  # noqa: E402
+
 
 def plot_training_curve(
     steps: Sequence[dict[str, Any]], epochs: Sequence[dict[str, Any]], path: str | Path
@@ -40,10 +42,7 @@ def plot_training_curve(
         axes[2].legend()
     axes[2].set_title("accuracy")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # ---- evaluation report figures ----------------------------------------------------------------
@@ -52,10 +51,12 @@ _CLEAN_STYLE = {"color": "black", "linewidth": 2.0}
 
 
 def _save(fig: Any, path: Path) -> Path:
-    """Lay out, write and close a figure."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    """Write a figure atomically (format from the file suffix) and close it."""
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or None)
+    finally:
+        plt.close(fig)
     return path
 
 

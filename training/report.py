@@ -1,10 +1,10 @@
 """The evaluation report of a run: ``RUN/report.md`` and ``RUN/figures/*.png``.
 
-Reads only the run directory's files (DESIGN.md §5)::
+Reads only the run directory's files (DESIGN.md §5; paths from training/rundir.py)::
 
     pipeline_config.json                     preset name, data set, optional "not_run" attacks
     results.json                             models, attacks, detection and OOD rows, timing
-    models/<model>/metrics.jsonl             per-epoch metrics (final transport cost)
+    models/<model>/                          per-epoch training metrics (final transport cost)
     features/<model>/<set>.npz               features [N, 2M] (+ feature_names), logits
     scores/<model>/<detector>/<setting>/<train>__<test>.npz   is_abnormal, scores (first seed)
 
@@ -15,7 +15,6 @@ cell of each column in bold. Pieces that a run does not have are reported as "no
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import re
@@ -26,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from detector import __version__
+from detector import __version__, artefacts
 from detector.errors import ArtefactError
 from training.plots import plot_feature_trajectories, plot_roc_curves, plot_transport_histograms
+from training.rundir import RunDir
 
 NOT_RUN = "not run"
 CLEAN = "clean"
@@ -221,23 +221,20 @@ def _value(record: Record | None, metric: str) -> float | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return artefacts.read_json(path) if path.is_file() else {}
 
 
 def _final_transport(run_dir: Path, model: str) -> float | None:
-    """test_transport of the last epoch in models/<model>/metrics.jsonl, if any."""
-    path = run_dir / "models" / model / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return lines[-1].get("test_transport") if lines else None
+    """test_transport of the network's last training epoch, if any."""
+    epochs = RunDir(run_dir).read_metrics(model)
+    return epochs[-1].get("test_transport") if epochs else None
 
 
 def block_features(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(msq [N, M], cos [N, M]) from a features npz, by feature_names (block-major fallback)."""
-    with np.load(path, allow_pickle=False) as data:
-        features = np.asarray(data["features"], dtype=np.float64)
-        names = [str(n) for n in data["feature_names"]] if "feature_names" in data.files else None
+    data = artefacts.load_npz(path)
+    features = np.asarray(data["features"], dtype=np.float64)
+    names = [str(n) for n in data["feature_names"]] if "feature_names" in data else None
     if names is None:
         return features[:, 0::2], features[:, 1::2]
     msq = sorted((int(m[1]), i) for i, n in enumerate(names) if (m := _MSQ.match(n)))
@@ -247,7 +244,7 @@ def block_features(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def load_features(run_dir: Path, model: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Every set of features/<model>/, as {set: (msq, cos)} in report order."""
-    folder = run_dir / "features" / model
+    folder = RunDir(run_dir).feature_dir(model)
     paths = {p.stem: p for p in folder.glob("*.npz")} if folder.is_dir() else {}
     sets = {key: block_features(paths[key]) for key in order_sets(paths)}
     return {key: (msq, cos) for key, (msq, cos) in sets.items() if len(msq) and msq.shape[1]}
@@ -258,18 +255,18 @@ def load_scores(
 ) -> dict[tuple[str, str, str], dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]]:
     """{(model, detector, setting): {(train, test): (is_abnormal, scores)}} from scores/."""
     found: dict[tuple[str, str, str], dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]] = {}
-    for path in sorted((run_dir / "scores").glob("*/*/*/*__*.npz")):
+    for path in sorted(RunDir(run_dir).scores.glob("*/*/*/*__*.npz")):
         setting, detector, model = (
             path.parent.name,
             path.parent.parent.name,
             path.parent.parent.parent.name,
         )
         train, test = path.stem.split("__", 1)
-        with np.load(path, allow_pickle=False) as data:
-            found.setdefault((model, detector, setting), {})[(train, test)] = (
-                data["is_abnormal"],
-                data["scores"],
-            )
+        data = artefacts.load_npz(path)
+        found.setdefault((model, detector, setting), {})[(train, test)] = (
+            data["is_abnormal"],
+            data["scores"],
+        )
     return found
 
 
@@ -333,10 +330,11 @@ def models_section(run_dir: Path, results: Mapping[str, Any], models: Sequence[s
             ]
         )
     header = ["Network", "Test accuracy (%)", "Epochs", "Train seconds", "Final transport cost C"]
+    curve_files = {m: RunDir(run_dir).model_dir(m).training_curve for m in models}
     curves = [
-        f"[{MODEL_LABELS.get(m, m.upper())}](models/{m}/training_curve.png)"
-        for m in models
-        if (run_dir / "models" / m / "training_curve.png").is_file()
+        f"[{MODEL_LABELS.get(m, m.upper())}]({path.relative_to(run_dir).as_posix()})"
+        for m, path in curve_files.items()
+        if path.is_file()
     ]
     lines = ["## Networks", "", markdown_table(header, rows), ""]
     return lines + ([f"Training curves: {', '.join(curves)}.", ""] if curves else [])
@@ -572,7 +570,7 @@ def notes_section(
     notes += [
         f"- {MODEL_LABELS.get(m, m.upper())}: no features in features/{m}/ (no histograms or trajectories)."
         for m in models
-        if not (run_dir / "features" / m).is_dir()
+        if not RunDir(run_dir).feature_dir(m).is_dir()
     ]
     notes.append(
         f'- A cell "{NOT_RUN}" means the run has no result for that network, detector and attack.'
@@ -606,7 +604,7 @@ def roc_figures(
                 }
             title = f"{DETECTOR_LABELS.get(detector, detector)} ({detector}), {setting}"
             path = plot_roc_curves(
-                panels, run_dir / "figures" / f"roc_{detector}_{setting}.png", title=title
+                panels, RunDir(run_dir).figures / f"roc_{detector}_{setting}.png", title=title
             )
             lines += _figure_link(
                 run_dir, path, f"ROC curves: {detector} detector, {setting} setting (first seed)"
@@ -638,7 +636,7 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
         }
         hist = plot_transport_histograms(
             costs,
-            run_dir / "figures" / f"transport_hist_{kind}.png",
+            RunDir(run_dir).figures / f"transport_hist_{kind}.png",
             clean=set_label(CLEAN),
             title=f"Transport cost, clean vs {kind} (dashed: clean 0.02 / 0.98 quantiles)",
         )
@@ -647,7 +645,7 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
         )
         traj = plot_feature_trajectories(
             chosen,
-            run_dir / "figures" / f"trajectories_{kind}.png",
+            RunDir(run_dir).figures / f"trajectories_{kind}.png",
             clean=set_label(CLEAN),
             title=f"Per-block features, clean vs {kind} (mean ± std)",
         )
@@ -660,13 +658,13 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
 
 def write_report(run_dir: Path) -> Path:
     """Write RUN/report.md and RUN/figures/*.png from the run's results, features and scores; return report.md."""
-    run_dir = Path(run_dir)
-    results_path = run_dir / "results.json"
+    run = RunDir(run_dir)
+    run_dir, results_path = run.path, run.results_file
     if not results_path.is_file():
         raise ArtefactError(
             f"{results_path} not found: run `lapguard evaluate --run {run_dir}` first"
         )
-    results, config = _read_json(results_path), _read_json(run_dir / "pipeline_config.json")
+    results, config = _read_json(results_path), _read_json(run.config_file)
     detection, ood = list(results.get("detection", [])), list(results.get("ood", []))
     for record in detection:
         record.setdefault(
@@ -690,6 +688,4 @@ def write_report(run_dir: Path) -> Path:
         *(["## Figures", "", *figures] if figures else []),
         *notes_section(run_dir, config, models, scores),
     ]
-    path = run_dir / "report.md"
-    path.write_text("\n".join(lines).rstrip() + "\n")
-    return path
+    return artefacts.write_text(run.report_file, "\n".join(lines).rstrip() + "\n")

@@ -1,12 +1,8 @@
 """Training loop for vanilla, LAP and RCE networks: checkpoints every epoch, resume, metrics.
 
-Output directory (a saved network, loadable by ``detector.networks.load``)::
-
-    model.safetensors, config.json      the network (written when training finishes)
-    train_config.json                   the TrainConfig, to re-run
-    metrics.jsonl, steps.jsonl          per-epoch metrics and per-step loss terms
-    training_curve.png
-    checkpoint.safetensors + checkpoint.json   model + optimizer state after the last epoch
+The output directory is a saved network (loadable by ``detector.networks.load``) plus the
+training record: train config, per-epoch metrics, logged steps, training curve and the last
+checkpoint; its layout is :class:`training.rundir.ModelDir`.
 
 Several processes (``torchrun --nproc_per_node=K -m training.cli train ...``, WORLD_SIZE > 1):
 DistributedDataParallel over a process group (nccl on CUDA, gloo on CPU), each rank on its
@@ -37,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm.auto import tqdm
 
-from detector import networks
+from detector import artefacts, networks
 from detector.errors import ArtefactError, ConfigError
 from detector.taps import ResidualTaps
 from training.config import TrainConfig
@@ -45,9 +41,8 @@ from training.data import class_names, dataset_info, load_dataset, subset, train
 from training.initialization import init_weights
 from training.losses import UzawaMultiplier, compute_loss, transport_cost
 from training.plots import plot_training_curve
+from training.rundir import CHECKPOINT_STATE, ModelDir
 
-CHECKPOINT_WEIGHTS = "checkpoint.safetensors"
-CHECKPOINT_STATE = "checkpoint.json"
 STEP_LOG_EVERY = 20
 
 
@@ -190,7 +185,7 @@ def evaluate(
 
 
 def _save_checkpoint(
-    out: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    files: ModelDir, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
     tensors = {f"model.{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     optim_state = optimizer.state_dict()
@@ -199,23 +194,20 @@ def _save_checkpoint(
             if isinstance(value, torch.Tensor):
                 tensors[f"optim.{index}.{key}"] = value.detach().contiguous().cpu()
     state = dict(state, param_groups=optim_state["param_groups"])
-    tmp = out / (CHECKPOINT_WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(out / CHECKPOINT_WEIGHTS)
-    tmp_state = out / (CHECKPOINT_STATE + ".tmp")
-    tmp_state.write_text(json.dumps(state, indent=2))
-    tmp_state.replace(out / CHECKPOINT_STATE)
+    with artefacts.atomic_path(files.checkpoint_weights) as tmp:
+        save_file(tensors, str(tmp))
+    artefacts.write_json(files.checkpoint_state, state, indent=2)
 
 
 def _load_checkpoint(
-    out: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    files: ModelDir, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     try:
-        state = json.loads((out / CHECKPOINT_STATE).read_text())
-        tensors = load_file(str(out / CHECKPOINT_WEIGHTS))
+        state = json.loads(files.checkpoint_state.read_text())
+        tensors = load_file(str(files.checkpoint_weights))
     except (OSError, ValueError, json.JSONDecodeError) as error:
         raise ArtefactError(
-            f"checkpoint in {out} is unreadable ({error}); delete {CHECKPOINT_STATE} to start over"
+            f"checkpoint in {files.path} is unreadable ({error}); delete {CHECKPOINT_STATE} to start over"
         ) from error
     model.load_state_dict(
         {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
@@ -227,12 +219,6 @@ def _load_checkpoint(
             optim_state["state"].setdefault(int(index), {})[name] = value
     optimizer.load_state_dict(optim_state)
     return state
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _loaders(
@@ -270,39 +256,22 @@ def _loaders(
     )
 
 
-def train(
-    config: TrainConfig, out: str | Path, *, root: str | Path | None = None, progress: bool = True
-) -> dict[str, Any]:
-    """Train (or resume, or skip if finished) the network ``config`` describes into ``out``.
-
-    Returns the last epoch's metrics. Re-running with the same config resumes from the last saved
-    epoch; a different config in the same directory is refused.
-    """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    rank, world_size = _env_rank()
-    config_path = out / "train_config.json"
-    if config_path.is_file():
-        saved = TrainConfig.model_validate_json(config_path.read_text())
+def _check_or_write_config(config: TrainConfig, files: ModelDir, rank: int) -> None:
+    """Refuse a directory trained with another config; otherwise save this one (rank 0)."""
+    if files.train_config_file.is_file():
+        saved = TrainConfig.model_validate_json(files.train_config_file.read_text())
         if saved.fingerprint() != config.fingerprint():
             raise ConfigError(
-                f"{out} already holds a network trained with another config; choose a new --out"
+                f"{files.path} already holds a network trained with another config; choose a new --out"
             )
     elif rank == 0:  # written whole, then renamed: other ranks never read half a file
-        config_path.with_suffix(".json.tmp").write_text(config.model_dump_json(indent=2))
-        config_path.with_suffix(".json.tmp").replace(config_path)
+        artefacts.write_text(files.train_config_file, config.model_dump_json(indent=2))
 
-    metrics_path, steps_path = out / "metrics.jsonl", out / "steps.jsonl"
-    epochs_done = _read_jsonl(metrics_path)
-    if (out / networks.WEIGHTS_FILE).is_file() and len(epochs_done) >= config.epochs:
-        return epochs_done[-1]
 
-    seed_everything(config.seed)
-    device = networks.resolve_device(config.device)
-    if world_size > 1:
-        device = _init_distributed(device)
-        progress = progress and rank == 0
-    train_loader, val_loader, test_loader, names = _loaders(config, root, world_size)
+def _build_model(
+    config: TrainConfig, names: list[str], device: torch.device
+) -> tuple[networks.ObservableResNet, networks.NetworkConfig]:
+    """The initialised network (on ``device``) and the config it is saved with."""
     info = dataset_info(config.dataset)
     net_config = networks.NetworkConfig(
         architecture=config.architecture,
@@ -315,91 +284,180 @@ def train(
     model = networks.build_network(net_config)
     init_weights(model, config.init, config.init_gain)
     model.to(device)
+    return model, net_config
+
+
+def _optimizer_and_multiplier(
+    config: TrainConfig, model: nn.Module
+) -> tuple[torch.optim.Optimizer, UzawaMultiplier]:
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
     multiplier = UzawaMultiplier(
         config.lap.lambda0, config.lap.tau if config.objective == "lap" else 0.0, config.lap.every
     )
+    return optimizer, multiplier
 
-    start_epoch = 0
-    if (out / CHECKPOINT_STATE).is_file():
-        state = _load_checkpoint(out, model, optimizer)
-        start_epoch = int(state["epoch"])
-        multiplier.load_state_dict(state["multiplier"])
+
+def _resume(
+    files: ModelDir,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    multiplier: UzawaMultiplier,
+) -> int:
+    """Load the last checkpoint, if any, into the model, optimizer and multiplier; the number
+    of epochs it holds (0 without one)."""
+    if not files.checkpoint_state.is_file():
+        return 0
+    state = _load_checkpoint(files, model, optimizer)
+    multiplier.load_state_dict(state["multiplier"])
+    return int(state["epoch"])
+
+
+def _for_ranks(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` wrapped in DistributedDataParallel (on this rank's device)."""
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
+
+
+def _lr_at(config: TrainConfig, epoch: int) -> float:
+    return config.lr * config.gamma ** sum(1 for m in config.milestones if epoch >= m)
+
+
+def _run_epoch(
+    config: TrainConfig,
+    epoch: int,
+    trained: nn.Module,
+    model: nn.Module,
+    loaders: tuple[DataLoader, DataLoader, DataLoader],
+    optimizer: torch.optim.Optimizer,
+    multiplier: UzawaMultiplier,
+    *,
+    device: torch.device,
+    progress: bool,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Train one epoch and evaluate it: (the epoch's metrics row, its logged steps)."""
+    train_loader, val_loader, test_loader = loaders
+    for group in optimizer.param_groups:
+        group["lr"] = _lr_at(config, epoch)
+    if isinstance(train_loader.sampler, DistributedSampler):
+        train_loader.sampler.set_epoch(epoch)
+    else:
+        train_loader.generator.manual_seed(config.seed * 1000 + epoch)  # type: ignore[union-attr]
+    started = time.perf_counter()
+    step_log: list[dict[str, Any]] = []
+    train_metrics = train_one_epoch(
+        trained,
+        train_loader,
+        optimizer,
+        config.objective,
+        multiplier,
+        device=device,
+        grad_clip=config.grad_clip,
+        augment=config.augment,
+        amp=config.amp,
+        step_log=step_log,
+        progress=progress,
+        description=f"{config.name} epoch {epoch + 1}/{config.epochs}",
+    )
+    seconds = time.perf_counter() - started
+    val = evaluate(model, val_loader, device)
+    test = evaluate(model, test_loader, device)
+    row = {
+        "epoch": epoch + 1,
+        "lr": _lr_at(config, epoch),
+        "lambda": multiplier.value,
+        **train_metrics,
+        "val_accuracy": val["accuracy"],
+        "test_accuracy": test["accuracy"],
+        "test_transport": test["transport"],
+        "epoch_seconds": seconds,
+    }
+    return row, step_log
+
+
+def _save_epoch(
+    files: ModelDir,
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    multiplier: UzawaMultiplier,
+    epoch: int,
+    epochs_done: list[dict[str, Any]],
+    steps: list[dict[str, Any]],
+) -> None:
+    """Metrics, steps, checkpoint and training curve after ``epoch`` (rank 0 only)."""
+    artefacts.write_jsonl(files.metrics_file, epochs_done)
+    artefacts.write_jsonl(files.steps_file, steps)
+    state = {
+        "epoch": epoch + 1,
+        "multiplier": multiplier.state_dict(),
+        "fingerprint": config.fingerprint(),
+    }
+    _save_checkpoint(files, model, optimizer, state)
+    plot_training_curve(steps, epochs_done, files.training_curve)
+
+
+def train(
+    config: TrainConfig, out: str | Path, *, root: str | Path | None = None, progress: bool = True
+) -> dict[str, Any]:
+    """Train (or resume, or skip if finished) the network ``config`` describes into ``out``.
+
+    Returns the last epoch's metrics. Re-running with the same config resumes from the last saved
+    epoch; a different config in the same directory is refused.
+    """
+    files = ModelDir(out)
+    files.path.mkdir(parents=True, exist_ok=True)
+    rank, world_size = _env_rank()
+    _check_or_write_config(config, files, rank)
+    epochs_done = files.read_metrics()
+    if files.weights_file.is_file() and len(epochs_done) >= config.epochs:
+        return epochs_done[-1]
+
+    seed_everything(config.seed)
+    device = networks.resolve_device(config.device)
+    if world_size > 1:
+        device = _init_distributed(device)
+        progress = progress and rank == 0
+    train_loader, val_loader, test_loader, names = _loaders(config, root, world_size)
+    model, net_config = _build_model(config, names, device)
+    optimizer, multiplier = _optimizer_and_multiplier(config, model)
+    start_epoch = _resume(files, model, optimizer, multiplier)
     epochs_done = epochs_done[:start_epoch]
-    steps = _read_jsonl(steps_path)
-    trained: nn.Module = model
-    if world_size > 1:  # wraps after the checkpoint is loaded; DDP broadcasts rank 0's weights
-        trained = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-
-    def lr_at(epoch: int) -> float:
-        return config.lr * config.gamma ** sum(1 for m in config.milestones if epoch >= m)
+    steps = files.read_steps()
+    # Wrapped after the checkpoint is loaded: DDP broadcasts rank 0's weights.
+    trained = _for_ranks(model, device) if world_size > 1 else model
 
     last: dict[str, Any] = epochs_done[-1] if epochs_done else {}
+    loaders = (train_loader, val_loader, test_loader)
     for epoch in range(start_epoch, config.epochs):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(epoch)
-        if isinstance(train_loader.sampler, DistributedSampler):
-            train_loader.sampler.set_epoch(epoch)
-        else:
-            train_loader.generator.manual_seed(config.seed * 1000 + epoch)  # type: ignore[union-attr]
-        started = time.perf_counter()
-        step_log: list[dict[str, Any]] = []
-        train_metrics = train_one_epoch(
+        last, step_log = _run_epoch(
+            config,
+            epoch,
             trained,
-            train_loader,
+            model,
+            loaders,
             optimizer,
-            config.objective,
             multiplier,
             device=device,
-            grad_clip=config.grad_clip,
-            augment=config.augment,
-            amp=config.amp,
-            step_log=step_log,
             progress=progress,
-            description=f"{config.name} epoch {epoch + 1}/{config.epochs}",
         )
-        seconds = time.perf_counter() - started
-        steps = [s for s in steps if s["step"] < epoch * len(train_loader)]
-        steps.extend({**s, "step": s["step"] + epoch * len(train_loader)} for s in step_log)
-        val = evaluate(model, val_loader, device)
-        test = evaluate(model, test_loader, device)
-        last = {
-            "epoch": epoch + 1,
-            "lr": lr_at(epoch),
-            "lambda": multiplier.value,
-            **train_metrics,
-            "val_accuracy": val["accuracy"],
-            "test_accuracy": test["accuracy"],
-            "test_transport": test["transport"],
-            "epoch_seconds": seconds,
-        }
+        offset = epoch * len(train_loader)
+        steps = [s for s in steps if s["step"] < offset]
+        steps.extend({**s, "step": s["step"] + offset} for s in step_log)
         epochs_done.append(last)
         if rank != 0:
             continue
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in epochs_done))
-        steps_path.write_text("".join(json.dumps(s) + "\n" for s in steps))
-        _save_checkpoint(
-            out,
-            model,
-            optimizer,
-            {
-                "epoch": epoch + 1,
-                "multiplier": multiplier.state_dict(),
-                "fingerprint": config.fingerprint(),
-            },
-        )
-        plot_training_curve(steps, epochs_done, out / "training_curve.png")
+        _save_epoch(files, config, model, optimizer, multiplier, epoch, epochs_done, steps)
         if progress:
             tqdm.write(
-                f"[{config.name}] epoch {epoch + 1}: test acc {test['accuracy']:.4f}, val acc {val['accuracy']:.4f}, "
-                f"transport {test['transport']:.3f}, lambda {multiplier.value:.1f}, {seconds:.0f}s"
+                f"[{config.name}] epoch {epoch + 1}: test acc {last['test_accuracy']:.4f}, "
+                f"val acc {last['val_accuracy']:.4f}, transport {last['test_transport']:.3f}, "
+                f"lambda {multiplier.value:.1f}, {last['epoch_seconds']:.0f}s"
             )
     if rank == 0:
-        networks.save(model.cpu(), out, net_config)
+        networks.save(model.cpu(), files.path, net_config)
     if world_size > 1:
         dist.barrier()  # the other ranks return once the network is saved
         dist.destroy_process_group()

@@ -1,0 +1,211 @@
+"""The layout of a run directory and of a trained network's directory: every path, in one place.
+
+Run directory (``lapguard pipeline --run RUN``)::
+
+    pipeline_config.json
+    models/<name>/                          trained networks (a ModelDir each)
+    attacks/<name>/<attack>-<key>/          adversarial sets (training/adversarial.py)
+    features/<name>/<set>.npz               transport features + logits of a sample set
+    features/<name>/mahalanobis/<set>.npz   Mahalanobis features of the same set
+    scores/...                              first-seed detection scores (ROC curves)
+    evaluation.json                         protocol results
+    detector/                               the deployable detector and its calibration
+    results.json, report.md, figures/
+    bundle/                                 what `lapguard serve` loads
+
+Model directory (``lapguard train --out DIR``, loadable by ``detector.networks.load``)::
+
+    model.safetensors, config.json          the network (written when training finishes)
+    train_config.json                       the TrainConfig, to re-run
+    metrics.jsonl, steps.jsonl              per-epoch metrics and per-step loss terms
+    training_curve.png
+    checkpoint.safetensors + checkpoint.json   model + optimizer state after the last epoch
+
+Nothing here writes files; the layout on disk is a contract (existing runs stay readable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from detector import artefacts
+from detector.errors import ArtefactError
+from detector.networks import CONFIG_FILE as NETWORK_CONFIG_FILE
+from detector.networks import WEIGHTS_FILE
+
+CONFIG_FILE = "pipeline_config.json"
+EVALUATION_FILE = "evaluation.json"
+RESULTS_FILE = "results.json"
+REPORT_FILE = "report.md"
+MODELS_DIR = "models"
+ATTACKS_DIR = "attacks"
+FEATURES_DIR = "features"
+MAHALANOBIS_DIR = "mahalanobis"
+SCORES_DIR = "scores"
+FIGURES_DIR = "figures"
+DETECTOR_DIR = "detector"
+BUNDLE_DIR = "bundle"
+
+TRAIN_CONFIG_FILE = "train_config.json"
+METRICS_FILE = "metrics.jsonl"
+STEPS_FILE = "steps.jsonl"
+TRAINING_CURVE_FILE = "training_curve.png"
+CHECKPOINT_WEIGHTS = "checkpoint.safetensors"
+CHECKPOINT_STATE = "checkpoint.json"
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """The files of one trained network's directory."""
+
+    path: Path
+
+    def __init__(self, path: str | Path) -> None:
+        object.__setattr__(self, "path", Path(path))
+
+    @property
+    def weights_file(self) -> Path:
+        return self.path / WEIGHTS_FILE
+
+    @property
+    def network_config_file(self) -> Path:
+        return self.path / NETWORK_CONFIG_FILE
+
+    @property
+    def train_config_file(self) -> Path:
+        return self.path / TRAIN_CONFIG_FILE
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def steps_file(self) -> Path:
+        return self.path / STEPS_FILE
+
+    @property
+    def training_curve(self) -> Path:
+        return self.path / TRAINING_CURVE_FILE
+
+    @property
+    def checkpoint_weights(self) -> Path:
+        return self.path / CHECKPOINT_WEIGHTS
+
+    @property
+    def checkpoint_state(self) -> Path:
+        return self.path / CHECKPOINT_STATE
+
+    def has_network(self) -> bool:
+        """Whether a saved network (config and weights) is there."""
+        return self.network_config_file.is_file() and self.weights_file.is_file()
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """Per-epoch metrics in epoch order ([] before the first epoch); a corrupt line is an
+        ArtefactError naming the file and line."""
+        return artefacts.read_jsonl(self.metrics_file)
+
+    def read_steps(self) -> list[dict[str, Any]]:
+        """Logged per-step loss terms ([] before the first epoch)."""
+        return artefacts.read_jsonl(self.steps_file)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every path of a pipeline run directory. Paths are computed, never created."""
+
+    path: Path
+
+    def __init__(self, path: str | Path) -> None:
+        object.__setattr__(self, "path", Path(path))
+
+    # ---- files at the top --------------------------------------------------------------------
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def evaluation_file(self) -> Path:
+        return self.path / EVALUATION_FILE
+
+    @property
+    def results_file(self) -> Path:
+        return self.path / RESULTS_FILE
+
+    @property
+    def report_file(self) -> Path:
+        return self.path / REPORT_FILE
+
+    # ---- folders -----------------------------------------------------------------------------
+    @property
+    def models(self) -> Path:
+        return self.path / MODELS_DIR
+
+    @property
+    def scores(self) -> Path:
+        return self.path / SCORES_DIR
+
+    @property
+    def figures(self) -> Path:
+        return self.path / FIGURES_DIR
+
+    @property
+    def detector_dir(self) -> Path:
+        return self.path / DETECTOR_DIR
+
+    @property
+    def bundle(self) -> Path:
+        return self.path / BUNDLE_DIR
+
+    # ---- per network ---------------------------------------------------------------------------
+    def model(self, name: str) -> Path:
+        """``models/<name>/``: the trained network ``name``."""
+        return self.models / name
+
+    def model_dir(self, name: str) -> ModelDir:
+        """The files of ``models/<name>/``."""
+        return ModelDir(self.model(name))
+
+    def attacks(self, name: str) -> Path:
+        """``attacks/<name>/``: the adversarial set store of network ``name``."""
+        return self.path / ATTACKS_DIR / name
+
+    def feature_dir(self, name: str) -> Path:
+        """``features/<name>/``: the feature files of network ``name``."""
+        return self.path / FEATURES_DIR / name
+
+    def features(self, name: str, set_name: str) -> Path:
+        """``features/<name>/<set>.npz``."""
+        return self.feature_dir(name) / f"{set_name}.npz"
+
+    def mahalanobis_features(self, name: str, set_name: str) -> Path:
+        """``features/<name>/mahalanobis/<set>.npz``."""
+        return self.feature_dir(name) / MAHALANOBIS_DIR / f"{set_name}.npz"
+
+    def read_metrics(self, name: str) -> list[dict[str, Any]]:
+        """Per-epoch training metrics of network ``name`` (see :meth:`ModelDir.read_metrics`)."""
+        return self.model_dir(name).read_metrics()
+
+    def networks(self, name: str | None = None) -> dict[str, Path]:
+        """Trained networks by name (``models/<name>/`` holding config and weights), sorted;
+        ``name`` picks one. None found, or ``name`` not trained, is an ArtefactError."""
+        root = self.models
+        found = {
+            d.name: d
+            for d in sorted(root.iterdir() if root.is_dir() else [])
+            if ModelDir(d).has_network()
+        }
+        if name is not None:
+            if name not in found:
+                known = ", ".join(found) or "none"
+                raise ArtefactError(
+                    f"no trained network {name!r} in {root} (trained: {known}); train it first with `lapguard train`"
+                )
+            return {name: found[name]}
+        if not found:
+            raise ArtefactError(
+                f"no trained network in {root}: expected {root}/<name>/ with {NETWORK_CONFIG_FILE} and "
+                f"{WEIGHTS_FILE}; train one first with `lapguard train` or `lapguard pipeline`"
+            )
+        return found
