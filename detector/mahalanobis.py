@@ -23,19 +23,34 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator
 from sklearn.covariance import EmpiricalCovariance
 from sklearn.ensemble import RandomForestClassifier
 from sklearn.model_selection import train_test_split
 from torch import nn
 
+from detector.base import (
+    DEFAULT_VOTE_THRESHOLD,
+    Detector,
+    DetectorInfo,
+    SampleSet,
+    abnormal_labels,
+    check_binary_labels,
+    check_class_labels,
+    check_fitted,
+    vote_fraction,
+)
 from detector.errors import ConfigError, InputError
 from detector.features import check_features, check_images, model_device
-from detector.forest import check_binary_labels, check_class_labels, check_fitted, vote_fraction
 from detector.metrics import auroc
+from detector.registry import register_detector
 from detector.taps import default_tap_names
 
 MAGNITUDES = (0.0, 0.0005, 0.001, 0.0014, 0.002, 0.005, 0.01)
+
+
+def mahalanobis_key(magnitude: float) -> str:
+    """Name of the precomputed Mahalanobis features at ``magnitude`` in ``samples.extra``."""
+    return f"mahalanobis@{magnitude:g}"
 
 
 def block_names(model: nn.Module, taps: Sequence[str] | None = None) -> list[str]:
@@ -120,12 +135,24 @@ def gaussian_scores(h: torch.Tensor, means: torch.Tensor, precision: torch.Tenso
     return -distance.min(dim=1).values
 
 
-class MahalanobisDetector(BaseEstimator):
+@register_detector
+class MahalanobisDetector(Detector):
     """Lee et al. (2018) with a random forest on per-layer scores (see the module docstring).
 
     ``fit_clean(model, x, y)`` then ``fit(model, x, is_abnormal)``; ``score(model, x)`` ->
-    float64 [N], HIGHER = MORE ABNORMAL (fraction of trees voting abnormal).
+    float64 [N], HIGHER = MORE ABNORMAL (fraction of trees voting abnormal). At the sample-set
+    level: ``prepare`` (= ``fit_clean``), ``precompute`` once per image set, then
+    ``fit_samples``/``score_samples`` read the per-magnitude features from ``samples.extra``.
     """
+
+    info = DetectorInfo(
+        name="mahalanobis",
+        short_name="MH",
+        reads="network",
+        supervised=True,
+        default_threshold=DEFAULT_VOTE_THRESHOLD,
+        servable=False,
+    )
 
     def __init__(
         self,
@@ -363,6 +390,49 @@ class MahalanobisDetector(BaseEstimator):
         self.forest_ = self._forest().fit(chosen, y)
         self.n_features_in_ = chosen.shape[1]
         return self
+
+    # ---------------------------------------------------------------------------------------
+    # The sample-set level (detector.base.Detector)
+    # ---------------------------------------------------------------------------------------
+    def prepare(
+        self, model: nn.Module, images: np.ndarray, labels: np.ndarray
+    ) -> MahalanobisDetector:
+        """:meth:`fit_clean`: class statistics from clean training images and their labels."""
+        return self.fit_clean(model, images, labels)
+
+    def precompute(self, model: nn.Module, images: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`features_by_magnitude` of ``images``, keyed by :func:`mahalanobis_key`."""
+        features = self.features_by_magnitude(model, images)
+        return {mahalanobis_key(m): f for m, f in features.items()}
+
+    def with_seed(self, seed: int) -> MahalanobisDetector:
+        """An unfitted copy with ``random_state=seed`` sharing the clean statistics, if fitted."""
+        if hasattr(self, "means_"):
+            return self.copy_statistics(random_state=seed)
+        return type(self)(**{**self.get_params(), "random_state": seed})
+
+    @staticmethod
+    def _extra(samples: SampleSet, magnitude: float) -> np.ndarray:
+        key = mahalanobis_key(magnitude)
+        if key not in samples.extra:
+            raise ConfigError(
+                f"samples {getattr(samples, 'name', '')!r} lack {key!r}: add "
+                "detector.precompute(model, samples.images) to samples.extra first"
+            )
+        return samples.extra[key]
+
+    def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> MahalanobisDetector:
+        """:meth:`fit_features` on the precomputed features of clean vs abnormal samples."""
+        features = {
+            float(m): np.concatenate([self._extra(clean, m), self._extra(abnormal, m)])
+            for m in self.magnitudes
+        }
+        return self.fit_features(features, abnormal_labels(clean, abnormal))
+
+    def score_samples(self, samples: SampleSet) -> np.ndarray:
+        """Forest score of the precomputed features at ``magnitude_``: HIGHER = MORE ABNORMAL."""
+        self._check_forest()
+        return self.score_features(self._extra(samples, self.magnitude_))
 
     def _check_forest(self) -> None:
         check_fitted(self)
