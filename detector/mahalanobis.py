@@ -18,7 +18,6 @@ validation split of the training data passed to ``fit`` (best AUROC), never on t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Literal
 
 import numpy as np
@@ -43,7 +42,7 @@ from detector.errors import ConfigError, InputError
 from detector.features import check_features, check_images, model_device
 from detector.metrics import auroc
 from detector.registry import register_detector
-from detector.taps import default_tap_names
+from detector.taps import Tap, Taps, default_tap_names
 
 MAGNITUDES = (0.0, 0.0005, 0.001, 0.0014, 0.002, 0.005, 0.01)
 
@@ -59,50 +58,15 @@ def block_names(model: nn.Module, taps: Sequence[str] | None = None) -> list[str
     return [name.rsplit(".", 1)[0] for name in names]
 
 
-class LayerTaps:
-    """Context manager recording spatially mean-pooled activations: the input of ``first`` and
-    the outputs of ``outputs`` (module names), in that order; gradients flow through them."""
+def _pool(x: torch.Tensor) -> torch.Tensor:
+    """Spatial mean of an activation [N, C, ...] as float32 [N, C] (gradients flow through)."""
+    return x.float().mean(dim=tuple(range(2, x.ndim))) if x.ndim > 2 else x.float()
 
-    def __init__(self, model: nn.Module, first: str, outputs: Sequence[str]) -> None:
-        modules = dict(model.named_modules())
-        self._first = modules[first]
-        self._outputs = [modules[name] for name in outputs]
-        self._handles: list[Any] = []
-        self.values: list[torch.Tensor | None] = [None] * (1 + len(outputs))
 
-    @staticmethod
-    def _pool(x: torch.Tensor) -> torch.Tensor:
-        return x.float().mean(dim=tuple(range(2, x.ndim))) if x.ndim > 2 else x.float()
-
-    def __enter__(self) -> LayerTaps:
-        def first_hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-            self.values[0] = self._pool(inputs[0])
-
-        def output_hook(index: int) -> Any:
-            def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
-                self.values[index] = self._pool(output)
-
-            return hook
-
-        self._handles.append(self._first.register_forward_pre_hook(first_hook))
-        for i, module in enumerate(self._outputs, start=1):
-            self._handles.append(module.register_forward_hook(output_hook(i)))
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def layers(self) -> list[torch.Tensor]:
-        if any(v is None for v in self.values):
-            raise RuntimeError("no forward pass has gone through every layer inside this context")
-        return [v for v in self.values if v is not None]
+def layer_taps(model: nn.Module, first: str, outputs: Sequence[str]) -> Taps:
+    """Taps recording mean-pooled activations: the input of ``first`` and the outputs of
+    ``outputs`` (module names), in that order."""
+    return Taps(model, [Tap(first, "input"), *outputs], transform=_pool)
 
 
 def stage_layers(
@@ -113,18 +77,12 @@ def stage_layers(
     names = block_names(model, taps)
     if layers == "blocks":
         return names
-    shapes: list[tuple[int, ...]] = []
-    modules = dict(model.named_modules())
-    handles = [
-        modules[n].register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape[1:])))
-        for n in names
-    ]
-    try:
-        with torch.no_grad():
-            model(sample)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with (
+        torch.no_grad(),
+        Taps(model, names, transform=lambda out: tuple(out.shape[1:])) as shapes_seen,
+    ):
+        model(sample)
+        shapes = shapes_seen.outputs
     return [n for i, n in enumerate(names) if i == len(names) - 1 or shapes[i] != shapes[i + 1]]
 
 
@@ -180,8 +138,8 @@ class MahalanobisDetector(Detector):
     # ---------------------------------------------------------------------------------------
     # Layer activations and scores
     # ---------------------------------------------------------------------------------------
-    def _taps(self, model: nn.Module) -> LayerTaps:
-        return LayerTaps(model, block_names(model, self.taps)[0], self.layer_names_)
+    def _taps(self, model: nn.Module) -> Taps:
+        return layer_taps(model, block_names(model, self.taps)[0], self.layer_names_)
 
     def _pooled(self, model: nn.Module, x: np.ndarray) -> list[np.ndarray]:
         device = model_device(model)
@@ -189,7 +147,7 @@ class MahalanobisDetector(Detector):
         with torch.no_grad(), self._taps(model) as taps:
             for start in range(0, len(x), self.batch_size):
                 model(torch.from_numpy(x[start : start + self.batch_size]).to(device))
-                parts.append([h.cpu().numpy() for h in taps.layers()])
+                parts.append([h.cpu().numpy() for h in taps.outputs])
         return [
             np.concatenate([p[i] for p in parts]).astype(np.float64) for i in range(len(parts[0]))
         ]
@@ -202,7 +160,7 @@ class MahalanobisDetector(Detector):
     def _check_network(self, model: nn.Module, x: np.ndarray) -> None:
         with torch.no_grad(), self._taps(model) as taps:
             model(torch.from_numpy(x[:1]).to(model_device(model)))
-            dims = [h.shape[1] for h in taps.layers()]
+            dims = [h.shape[1] for h in taps.outputs]
         if dims != self.layer_dims_:
             raise InputError(
                 f"fitted on layers with dims {self.layer_dims_}, got {dims}: this detector belongs to another network"
@@ -211,7 +169,7 @@ class MahalanobisDetector(Detector):
     @staticmethod
     def _gradient_signs(
         model: nn.Module,
-        taps: LayerTaps,
+        taps: Taps,
         batch: torch.Tensor,
         means: list[torch.Tensor],
         precisions: list[torch.Tensor],
@@ -220,7 +178,7 @@ class MahalanobisDetector(Detector):
         x = batch.clone().requires_grad_(True)
         with torch.enable_grad():
             model(x)
-            layers = taps.layers()
+            layers = taps.outputs
             signs = []
             for index, h in enumerate(layers):
                 distance = -gaussian_scores(h, means[index], precisions[index])
@@ -252,7 +210,7 @@ class MahalanobisDetector(Detector):
                         with torch.no_grad():
                             if magnitude == 0 or signs is None:
                                 model(batch)
-                                layers = taps.layers()
+                                layers = taps.outputs
                                 scores = [
                                     gaussian_scores(layers[i], means[i], precisions[i])
                                     for i in range(n_layers)
@@ -262,7 +220,7 @@ class MahalanobisDetector(Detector):
                                 for i in range(n_layers):
                                     model(batch - magnitude * signs[i])
                                     scores.append(
-                                        gaussian_scores(taps.layers()[i], means[i], precisions[i])
+                                        gaussian_scores(taps.outputs[i], means[i], precisions[i])
                                     )
                         out[magnitude].append(torch.stack(scores, dim=1).cpu().numpy())
         finally:
