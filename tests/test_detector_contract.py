@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from detector.base import Detector
-from detector.errors import ConfigError
-from detector.features import extract_features
+from detector.bundle import DetectorSpec, detector_kind
+from detector.errors import ArtefactError, ConfigError
+from detector.features import FeatureSpec, extract_features
 from detector.registry import (
     detector_info,
     detector_name,
@@ -104,3 +106,13 @@ def test_every_detector_fits_and_scores_through_the_contract(
         np.concatenate([restored.score_samples(s) for s in both]).astype(np.float32),
         torch_scores,
     )
+
+
+def test_bundles_hold_only_servable_detectors() -> None:
+    assert detector_kind(get_detector("quantile")) == "quantile"
+    with pytest.raises(ArtefactError, match="bundles hold quantile or transport detectors"):
+        detector_kind(get_detector("nss"))
+    spec = {"params": {}, "feature_names": ["msq_0", "cos_0"]}
+    assert DetectorSpec(kind="transport", **spec).feature_spec == FeatureSpec()
+    with pytest.raises(ValidationError, match="detector kind must be one of"):
+        DetectorSpec(kind="mahalanobis", **spec)
