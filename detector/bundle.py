@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,10 +25,10 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file as load_torch
 
 from detector.artefacts import sha256_file, write_text
+from detector.base import Detector
 from detector.calibration import Calibration
-from detector.errors import ArtefactError
-from detector.features import feature_names
-from detector.forest import TransportDetector
+from detector.errors import ArtefactError, ConfigError
+from detector.features import FeatureSpec, feature_names
 from detector.networks import (
     WEIGHTS_FILE,
     InputSpec,
@@ -38,7 +38,7 @@ from detector.networks import (
     read_config,
     resolve_device,
 )
-from detector.quantile import QuantileDetector
+from detector.registry import detector_class, detector_name, list_detectors
 from detector.taps import default_tap_names
 
 BUNDLE_FORMAT_VERSION = 1
@@ -46,24 +46,35 @@ MANIFEST_FILE = "manifest.json"
 DETECTOR_FILE = "detector.safetensors"
 REQUIRED_FILES = (WEIGHTS_FILE, DETECTOR_FILE)
 
-Detector = TransportDetector | QuantileDetector
-_DETECTOR_KINDS: dict[str, type[TransportDetector] | type[QuantileDetector]] = {
-    "transport": TransportDetector,
-    "quantile": QuantileDetector,
-}
-
 
 class DetectorSpec(BaseModel):
     """Which detector, its parameters, and how its features are computed."""
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["transport", "quantile"]
+    kind: str  # a servable registered detector (detector.registry.list_detectors(servable=True))
     params: dict[str, Any]
     feature_names: list[str]
     taps: list[str] | None = None
     extra_directions: int = Field(default=0, ge=0)
     line_shape: bool = False
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        """The feature options as one typed spec (the JSON keeps its flat keys)."""
+        return FeatureSpec(
+            taps=tuple(self.taps) if self.taps is not None else None,
+            extra_directions=self.extra_directions,
+            line_shape=self.line_shape,
+        )
+
+    @field_validator("kind")
+    @classmethod
+    def _servable_kind(cls, kind: str) -> str:
+        servable = list_detectors(servable=True)
+        if kind not in servable:
+            raise ValueError(f"detector kind must be one of {servable}, got {kind!r}")
+        return kind
 
 
 class BundleManifest(BaseModel):
@@ -127,12 +138,17 @@ class Bundle:
 
 
 def detector_kind(detector: Detector) -> str:
-    for kind, cls in _DETECTOR_KINDS.items():
-        if isinstance(detector, cls):
-            return kind
-    raise ArtefactError(
-        f"cannot bundle a {type(detector).__name__}: bundles hold transport or quantile detectors"
-    )
+    """The registry name of a detector a bundle can hold (one with a torch form)."""
+    servable = list_detectors(servable=True)
+    try:
+        kind = detector_name(detector)
+    except ConfigError:
+        kind = ""
+    if kind not in servable:
+        raise ArtefactError(
+            f"cannot bundle a {type(detector).__name__}: bundles hold {' or '.join(servable)} detectors"
+        )
+    return kind
 
 
 def write_bundle(
@@ -182,7 +198,7 @@ def write_bundle(
         input_spec=input_spec or config.input_spec,
         network=config,
         detector=DetectorSpec(
-            kind=detector_kind(detector),  # type: ignore[arg-type]
+            kind=detector_kind(detector),
             params=params,
             feature_names=names,
             taps=list(taps) if taps is not None else None,
@@ -253,7 +269,7 @@ def load_bundle(path: str | Path, *, device: str | torch.device = "cpu") -> Bund
     except (SafetensorError, OSError, ValueError) as error:
         raise ArtefactError(f"cannot read bundle file {DETECTOR_FILE}: {error}") from error
     spec = manifest.detector
-    detector = _DETECTOR_KINDS[spec.kind].from_arrays(arrays, spec.params)
+    detector = detector_class(spec.kind).from_arrays(arrays, spec.params)
     n_features = spec.params.get("n_features_in")
     n_blocks = len(spec.taps) if spec.taps is not None else len(default_tap_names(model))
     expected = feature_names(

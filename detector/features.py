@@ -14,9 +14,8 @@ orthogonal to 1 and nearly orthogonal to each other) and the line-shape score of
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +24,7 @@ from tqdm import tqdm
 
 from detector.errors import InputError
 from detector.networks import resolve_device
-from detector.taps import ResidualTaps
+from detector.taps import ResidualTaps, Tap, Taps
 
 DIRECTION_SEED = 20240601
 LINE_SHAPE = "line_shape"
@@ -40,6 +39,28 @@ def feature_names(
     if line_shape:
         names.append(LINE_SHAPE)
     return names
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """How transport features are computed: which residual taps (None: the network's default
+    ones), how many extra +-1 directions, and whether the line-shape score is appended."""
+
+    taps: tuple[str, ...] | None = None
+    extra_directions: int = 0
+    line_shape: bool = False
+
+    def __post_init__(self) -> None:
+        if self.taps is not None and not isinstance(self.taps, tuple):
+            object.__setattr__(self, "taps", tuple(self.taps))
+        if self.extra_directions < 0:
+            raise InputError(f"extra_directions must be >= 0, got {self.extra_directions}")
+
+    def names(self, n_blocks: int) -> list[str]:
+        """Column names of the features of a network with ``n_blocks`` taps."""
+        return feature_names(
+            n_blocks, extra_directions=self.extra_directions, line_shape=self.line_shape
+        )
 
 
 def sign_directions(dim: int, count: int, *, seed: int = DIRECTION_SEED) -> torch.Tensor:
@@ -69,24 +90,18 @@ class TransportFeatureExtractor:
     (also after the block). One extractor serves one forward pass at a time.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        taps: Sequence[str] | None = None,
-        extra_directions: int = 0,
-        line_shape: bool = False,
-    ) -> None:
-        if extra_directions < 0:
-            raise InputError(f"extra_directions must be >= 0, got {extra_directions}")
+    def __init__(self, model: nn.Module, spec: FeatureSpec | None = None) -> None:
         self.model = model
-        self.extra_directions = int(extra_directions)
-        self.line_shape = bool(line_shape)
-        self._taps = ResidualTaps(model, taps, transform=self._reduce)
+        self.spec = spec or FeatureSpec()
+        self.extra_directions = int(self.spec.extra_directions)
+        self.line_shape = bool(self.spec.line_shape)
+        self._taps = ResidualTaps(model, self.spec.taps, transform=self._reduce)
+        # Every forward pass of the model starts a new trajectory (line shape).
+        self._pass_start = Taps(model, [Tap("", "input")], transform=self._new_pass)
         self._directions: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
         # Line shape: running sum of unit residuals per residual shape (one group per stage).
         self._unit_sums: dict[tuple[int, ...], torch.Tensor] = {}
         self._steps = 0
-        self._pre_handle: torch.utils.hooks.RemovableHandle | None = None
 
     @property
     def tap_names(self) -> list[str]:
@@ -98,16 +113,14 @@ class TransportFeatureExtractor:
 
     @property
     def feature_names(self) -> list[str]:
-        return feature_names(
-            self.n_blocks, extra_directions=self.extra_directions, line_shape=self.line_shape
-        )
+        return self.spec.names(self.n_blocks)
 
     def __enter__(self) -> TransportFeatureExtractor:
         self._taps.clear()  # never serve a previous context's values
-        self._new_pass(self.model, ())
+        self._new_pass()
         self._taps.__enter__()
         if self.line_shape:
-            self._pre_handle = self.model.register_forward_pre_hook(self._new_pass)
+            self._pass_start.__enter__()
         return self
 
     def __exit__(
@@ -117,13 +130,12 @@ class TransportFeatureExtractor:
         tb: TracebackType | None,
     ) -> None:
         self._taps.__exit__(exc_type, exc, tb)
-        if self._pre_handle is not None:
-            self._pre_handle.remove()
-            self._pre_handle = None
+        self._pass_start.__exit__(exc_type, exc, tb)
 
-    def _new_pass(self, _module: nn.Module, _inputs: Any) -> None:
+    def _new_pass(self, _inputs: torch.Tensor | None = None) -> bool:
         self._unit_sums = {}
         self._steps = 0
+        return True
 
     def _direction_matrix(self, dim: int, like: torch.Tensor) -> torch.Tensor:
         key = (dim, like.device, like.dtype)
@@ -238,9 +250,7 @@ def extract_features(
     *,
     batch_size: int = 256,
     device: str | torch.device | None = None,
-    taps: Sequence[str] | None = None,
-    extra_directions: int = 0,
-    line_shape: bool = False,
+    spec: FeatureSpec | None = None,
     progress: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Transport features [N, F] and logits [N, K] (both float32) of images ``x`` [N, C, H, W].
@@ -262,9 +272,7 @@ def extract_features(
     try:
         with (
             torch.no_grad(),
-            TransportFeatureExtractor(
-                model, taps, extra_directions=extra_directions, line_shape=line_shape
-            ) as fx,
+            TransportFeatureExtractor(model, spec) as fx,
         ):
             for start in tqdm(starts, desc="features", disable=not progress, leave=False):
                 batch = torch.from_numpy(x[start : start + batch_size]).to(target)

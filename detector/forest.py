@@ -16,60 +16,25 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator
 from sklearn.ensemble import RandomForestClassifier
-from sklearn.exceptions import NotFittedError as SklearnNotFittedError
-from sklearn.utils.validation import check_is_fitted
 from torch import nn
 
-from detector.errors import ArtefactError, InputError, NotFittedError
+from detector.base import (
+    DEFAULT_VOTE_THRESHOLD,
+    Detector,
+    DetectorInfo,
+    SampleSet,
+    abnormal_labels,
+    check_binary_labels,
+    check_class_labels,
+    check_fitted,
+    vote_fraction,
+)
+from detector.errors import ArtefactError, InputError
 from detector.features import check_features
+from detector.registry import register_detector
 
-DEFAULT_VOTE_THRESHOLD = 0.5
 _COMPACT_EVERY = 8
-
-
-def check_fitted(estimator: BaseEstimator) -> None:
-    """Raise lapguard's NotFittedError when ``estimator`` has not been fitted."""
-    try:
-        check_is_fitted(estimator)
-    except SklearnNotFittedError as error:
-        raise NotFittedError(
-            f"this {type(estimator).__name__} is not fitted yet: call fit first"
-        ) from error
-
-
-def check_binary_labels(is_abnormal: np.ndarray, n: int) -> np.ndarray:
-    """0/1 labels (1 = abnormal) of length n with both classes present, as int64."""
-    labels = np.asarray(is_abnormal)
-    if labels.shape != (n,):
-        raise InputError(f"is_abnormal must have shape ({n},), got {labels.shape}")
-    if labels.dtype != bool and not np.isin(labels, (0, 1)).all():
-        raise InputError("is_abnormal must hold 0 (clean) and 1 (abnormal) only")
-    labels = labels.astype(np.int64)
-    if labels.min(initial=1) == labels.max(initial=0):
-        raise InputError(
-            "is_abnormal needs both clean (0) and abnormal (1) samples to fit a detector"
-        )
-    return labels
-
-
-def check_class_labels(labels: np.ndarray, n: int, name: str = "predicted_labels") -> np.ndarray:
-    """Integer class labels of length n, as int64."""
-    array = np.asarray(labels)
-    if array.shape != (n,):
-        raise InputError(f"{name} must have shape ({n},), got {array.shape}")
-    if not np.issubdtype(array.dtype, np.integer):
-        raise InputError(f"{name} must be integer class indices, got dtype {array.dtype}")
-    return array.astype(np.int64)
-
-
-def vote_fraction(forest: RandomForestClassifier, features: np.ndarray) -> np.ndarray:
-    """Fraction of a fitted binary forest's trees voting class 1 (hard votes), float64 [N]."""
-    votes = np.zeros(len(features), dtype=np.int64)
-    for tree in forest.estimators_:
-        votes += tree.predict(features).astype(np.int64)
-    return votes / len(forest.estimators_)
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,7 +215,8 @@ class TransportScorer(nn.Module):
 # --------------------------------------------------------------------------------------------
 # The detector
 # --------------------------------------------------------------------------------------------
-class TransportDetector(BaseEstimator):
+@register_detector
+class TransportDetector(Detector):
     """Random forests on transport features (seed 003 §5.3.1).
 
     ``fit(features, is_abnormal, predicted_labels)`` trains a general forest and, when
@@ -260,6 +226,15 @@ class TransportDetector(BaseEstimator):
     fraction of trees voting abnormal: HIGHER = MORE ABNORMAL, in [0, 1]. ``predict`` flags a
     score > 0.5 (either forest's majority vote).
     """
+
+    info = DetectorInfo(
+        name="transport",
+        short_name="TR",
+        reads="features",
+        supervised=True,
+        default_threshold=DEFAULT_VOTE_THRESHOLD,
+        servable=True,
+    )
 
     def __init__(
         self,
@@ -309,6 +284,18 @@ class TransportDetector(BaseEstimator):
         self.class_ids_ = np.asarray(sorted(class_forests), dtype=np.int64)
         self.arrays_ = forest_arrays([general] + [class_forests[int(c)] for c in self.class_ids_])
         return self
+
+    def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> TransportDetector:
+        """Fit on the transport features and predicted labels of clean vs abnormal samples."""
+        return self.fit(
+            np.concatenate([clean.features, abnormal.features]),
+            abnormal_labels(clean, abnormal),
+            np.concatenate([clean.predicted, abnormal.predicted]),
+        )
+
+    def score_samples(self, samples: SampleSet) -> np.ndarray:
+        """:meth:`score` of the samples' features and predicted labels: HIGHER = MORE ABNORMAL."""
+        return self.score(samples.features, samples.predicted)
 
     def score(self, features: np.ndarray, predicted_labels: np.ndarray) -> np.ndarray:
         """Abnormality scores in [0, 1], HIGHER = MORE ABNORMAL (fraction of trees voting abnormal)."""

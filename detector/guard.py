@@ -16,14 +16,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from detector.base import Detector
 from detector.bundle import BundleManifest, load_bundle
 from detector.calibration import Calibration
 from detector.errors import ConfigError, InputError
-from detector.features import TransportFeatureExtractor
-from detector.forest import TransportDetector
+from detector.features import FeatureSpec, TransportFeatureExtractor
 from detector.networks import InputSpec, load, resolve_device
 from detector.preprocessing import prepare_images
-from detector.quantile import QuantileDetector
 
 
 @dataclass
@@ -50,10 +49,8 @@ class Guard:
         input_spec: InputSpec,
         class_names: Sequence[str],
         threshold: float,
-        taps: Sequence[str] | None = None,
+        features: FeatureSpec | None = None,
         device: str | torch.device = "auto",
-        extra_directions: int = 0,
-        line_shape: bool = False,
         manifest: BundleManifest | None = None,
         batch_size: int = 256,
     ) -> None:
@@ -65,9 +62,7 @@ class Guard:
         self.threshold = float(threshold)
         self.manifest = manifest
         self.batch_size = int(batch_size)
-        self._extractor = TransportFeatureExtractor(
-            self.model, taps, extra_directions=extra_directions, line_shape=line_shape
-        )
+        self._extractor = TransportFeatureExtractor(self.model, features)
         self.feature_names = self._extractor.feature_names
         self._lock = threading.Lock()
 
@@ -86,10 +81,8 @@ class Guard:
             input_spec=manifest.input_spec,
             class_names=manifest.class_names,
             threshold=manifest.threshold,
-            taps=manifest.detector.taps,
+            features=manifest.detector.feature_spec,
             device=target,
-            extra_directions=manifest.detector.extra_directions,
-            line_shape=manifest.detector.line_shape,
             manifest=manifest,
         )
 
@@ -97,13 +90,11 @@ class Guard:
     def from_run(
         cls,
         network: str | Path | nn.Module,
-        detector: TransportDetector | QuantileDetector,
+        detector: Detector,
         calibration: Calibration | float,
         *,
-        taps: Sequence[str] | None = None,
+        features: FeatureSpec | None = None,
         device: str | torch.device = "auto",
-        extra_directions: int = 0,
-        line_shape: bool = False,
         input_spec: InputSpec | None = None,
         class_names: Sequence[str] | None = None,
     ) -> Guard:
@@ -125,10 +116,8 @@ class Guard:
             input_spec=spec,
             class_names=names,
             threshold=threshold,
-            taps=taps,
+            features=features,
             device=device,
-            extra_directions=extra_directions,
-            line_shape=line_shape,
         )
 
     # ---------------------------------------------------------------------------------------

@@ -18,24 +18,38 @@ validation split of the training data passed to ``fit`` (best AUROC), never on t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator
 from sklearn.covariance import EmpiricalCovariance
 from sklearn.ensemble import RandomForestClassifier
 from sklearn.model_selection import train_test_split
 from torch import nn
 
+from detector.base import (
+    DEFAULT_VOTE_THRESHOLD,
+    Detector,
+    DetectorInfo,
+    SampleSet,
+    abnormal_labels,
+    check_binary_labels,
+    check_class_labels,
+    check_fitted,
+    vote_fraction,
+)
 from detector.errors import ConfigError, InputError
 from detector.features import check_features, check_images, model_device
-from detector.forest import check_binary_labels, check_class_labels, check_fitted, vote_fraction
 from detector.metrics import auroc
-from detector.taps import default_tap_names
+from detector.registry import register_detector
+from detector.taps import Tap, Taps, default_tap_names
 
 MAGNITUDES = (0.0, 0.0005, 0.001, 0.0014, 0.002, 0.005, 0.01)
+
+
+def mahalanobis_key(magnitude: float) -> str:
+    """Name of the precomputed Mahalanobis features at ``magnitude`` in ``samples.extra``."""
+    return f"mahalanobis@{magnitude:g}"
 
 
 def block_names(model: nn.Module, taps: Sequence[str] | None = None) -> list[str]:
@@ -44,50 +58,15 @@ def block_names(model: nn.Module, taps: Sequence[str] | None = None) -> list[str
     return [name.rsplit(".", 1)[0] for name in names]
 
 
-class LayerTaps:
-    """Context manager recording spatially mean-pooled activations: the input of ``first`` and
-    the outputs of ``outputs`` (module names), in that order; gradients flow through them."""
+def _pool(x: torch.Tensor) -> torch.Tensor:
+    """Spatial mean of an activation [N, C, ...] as float32 [N, C] (gradients flow through)."""
+    return x.float().mean(dim=tuple(range(2, x.ndim))) if x.ndim > 2 else x.float()
 
-    def __init__(self, model: nn.Module, first: str, outputs: Sequence[str]) -> None:
-        modules = dict(model.named_modules())
-        self._first = modules[first]
-        self._outputs = [modules[name] for name in outputs]
-        self._handles: list[Any] = []
-        self.values: list[torch.Tensor | None] = [None] * (1 + len(outputs))
 
-    @staticmethod
-    def _pool(x: torch.Tensor) -> torch.Tensor:
-        return x.float().mean(dim=tuple(range(2, x.ndim))) if x.ndim > 2 else x.float()
-
-    def __enter__(self) -> LayerTaps:
-        def first_hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-            self.values[0] = self._pool(inputs[0])
-
-        def output_hook(index: int) -> Any:
-            def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
-                self.values[index] = self._pool(output)
-
-            return hook
-
-        self._handles.append(self._first.register_forward_pre_hook(first_hook))
-        for i, module in enumerate(self._outputs, start=1):
-            self._handles.append(module.register_forward_hook(output_hook(i)))
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def layers(self) -> list[torch.Tensor]:
-        if any(v is None for v in self.values):
-            raise RuntimeError("no forward pass has gone through every layer inside this context")
-        return [v for v in self.values if v is not None]
+def layer_taps(model: nn.Module, first: str, outputs: Sequence[str]) -> Taps:
+    """Taps recording mean-pooled activations: the input of ``first`` and the outputs of
+    ``outputs`` (module names), in that order."""
+    return Taps(model, [Tap(first, "input"), *outputs], transform=_pool)
 
 
 def stage_layers(
@@ -98,18 +77,12 @@ def stage_layers(
     names = block_names(model, taps)
     if layers == "blocks":
         return names
-    shapes: list[tuple[int, ...]] = []
-    modules = dict(model.named_modules())
-    handles = [
-        modules[n].register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape[1:])))
-        for n in names
-    ]
-    try:
-        with torch.no_grad():
-            model(sample)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with (
+        torch.no_grad(),
+        Taps(model, names, transform=lambda out: tuple(out.shape[1:])) as shapes_seen,
+    ):
+        model(sample)
+        shapes = shapes_seen.outputs
     return [n for i, n in enumerate(names) if i == len(names) - 1 or shapes[i] != shapes[i + 1]]
 
 
@@ -120,12 +93,24 @@ def gaussian_scores(h: torch.Tensor, means: torch.Tensor, precision: torch.Tenso
     return -distance.min(dim=1).values
 
 
-class MahalanobisDetector(BaseEstimator):
+@register_detector
+class MahalanobisDetector(Detector):
     """Lee et al. (2018) with a random forest on per-layer scores (see the module docstring).
 
     ``fit_clean(model, x, y)`` then ``fit(model, x, is_abnormal)``; ``score(model, x)`` ->
-    float64 [N], HIGHER = MORE ABNORMAL (fraction of trees voting abnormal).
+    float64 [N], HIGHER = MORE ABNORMAL (fraction of trees voting abnormal). At the sample-set
+    level: ``prepare`` (= ``fit_clean``), ``precompute`` once per image set, then
+    ``fit_samples``/``score_samples`` read the per-magnitude features from ``samples.extra``.
     """
+
+    info = DetectorInfo(
+        name="mahalanobis",
+        short_name="MH",
+        reads="network",
+        supervised=True,
+        default_threshold=DEFAULT_VOTE_THRESHOLD,
+        servable=False,
+    )
 
     def __init__(
         self,
@@ -153,8 +138,8 @@ class MahalanobisDetector(BaseEstimator):
     # ---------------------------------------------------------------------------------------
     # Layer activations and scores
     # ---------------------------------------------------------------------------------------
-    def _taps(self, model: nn.Module) -> LayerTaps:
-        return LayerTaps(model, block_names(model, self.taps)[0], self.layer_names_)
+    def _taps(self, model: nn.Module) -> Taps:
+        return layer_taps(model, block_names(model, self.taps)[0], self.layer_names_)
 
     def _pooled(self, model: nn.Module, x: np.ndarray) -> list[np.ndarray]:
         device = model_device(model)
@@ -162,7 +147,7 @@ class MahalanobisDetector(BaseEstimator):
         with torch.no_grad(), self._taps(model) as taps:
             for start in range(0, len(x), self.batch_size):
                 model(torch.from_numpy(x[start : start + self.batch_size]).to(device))
-                parts.append([h.cpu().numpy() for h in taps.layers()])
+                parts.append([h.cpu().numpy() for h in taps.outputs])
         return [
             np.concatenate([p[i] for p in parts]).astype(np.float64) for i in range(len(parts[0]))
         ]
@@ -175,7 +160,7 @@ class MahalanobisDetector(BaseEstimator):
     def _check_network(self, model: nn.Module, x: np.ndarray) -> None:
         with torch.no_grad(), self._taps(model) as taps:
             model(torch.from_numpy(x[:1]).to(model_device(model)))
-            dims = [h.shape[1] for h in taps.layers()]
+            dims = [h.shape[1] for h in taps.outputs]
         if dims != self.layer_dims_:
             raise InputError(
                 f"fitted on layers with dims {self.layer_dims_}, got {dims}: this detector belongs to another network"
@@ -184,7 +169,7 @@ class MahalanobisDetector(BaseEstimator):
     @staticmethod
     def _gradient_signs(
         model: nn.Module,
-        taps: LayerTaps,
+        taps: Taps,
         batch: torch.Tensor,
         means: list[torch.Tensor],
         precisions: list[torch.Tensor],
@@ -193,7 +178,7 @@ class MahalanobisDetector(BaseEstimator):
         x = batch.clone().requires_grad_(True)
         with torch.enable_grad():
             model(x)
-            layers = taps.layers()
+            layers = taps.outputs
             signs = []
             for index, h in enumerate(layers):
                 distance = -gaussian_scores(h, means[index], precisions[index])
@@ -225,7 +210,7 @@ class MahalanobisDetector(BaseEstimator):
                         with torch.no_grad():
                             if magnitude == 0 or signs is None:
                                 model(batch)
-                                layers = taps.layers()
+                                layers = taps.outputs
                                 scores = [
                                     gaussian_scores(layers[i], means[i], precisions[i])
                                     for i in range(n_layers)
@@ -235,7 +220,7 @@ class MahalanobisDetector(BaseEstimator):
                                 for i in range(n_layers):
                                     model(batch - magnitude * signs[i])
                                     scores.append(
-                                        gaussian_scores(taps.layers()[i], means[i], precisions[i])
+                                        gaussian_scores(taps.outputs[i], means[i], precisions[i])
                                     )
                         out[magnitude].append(torch.stack(scores, dim=1).cpu().numpy())
         finally:
@@ -363,6 +348,49 @@ class MahalanobisDetector(BaseEstimator):
         self.forest_ = self._forest().fit(chosen, y)
         self.n_features_in_ = chosen.shape[1]
         return self
+
+    # ---------------------------------------------------------------------------------------
+    # The sample-set level (detector.base.Detector)
+    # ---------------------------------------------------------------------------------------
+    def prepare(
+        self, model: nn.Module, images: np.ndarray, labels: np.ndarray
+    ) -> MahalanobisDetector:
+        """:meth:`fit_clean`: class statistics from clean training images and their labels."""
+        return self.fit_clean(model, images, labels)
+
+    def precompute(self, model: nn.Module, images: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`features_by_magnitude` of ``images``, keyed by :func:`mahalanobis_key`."""
+        features = self.features_by_magnitude(model, images)
+        return {mahalanobis_key(m): f for m, f in features.items()}
+
+    def with_seed(self, seed: int) -> MahalanobisDetector:
+        """An unfitted copy with ``random_state=seed`` sharing the clean statistics, if fitted."""
+        if hasattr(self, "means_"):
+            return self.copy_statistics(random_state=seed)
+        return type(self)(**{**self.get_params(), "random_state": seed})
+
+    @staticmethod
+    def _extra(samples: SampleSet, magnitude: float) -> np.ndarray:
+        key = mahalanobis_key(magnitude)
+        if key not in samples.extra:
+            raise ConfigError(
+                f"samples {getattr(samples, 'name', '')!r} lack {key!r}: add "
+                "detector.precompute(model, samples.images) to samples.extra first"
+            )
+        return samples.extra[key]
+
+    def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> MahalanobisDetector:
+        """:meth:`fit_features` on the precomputed features of clean vs abnormal samples."""
+        features = {
+            float(m): np.concatenate([self._extra(clean, m), self._extra(abnormal, m)])
+            for m in self.magnitudes
+        }
+        return self.fit_features(features, abnormal_labels(clean, abnormal))
+
+    def score_samples(self, samples: SampleSet) -> np.ndarray:
+        """Forest score of the precomputed features at ``magnitude_``: HIGHER = MORE ABNORMAL."""
+        self._check_forest()
+        return self.score_features(self._extra(samples, self.magnitude_))
 
     def _check_forest(self) -> None:
         check_fitted(self)

@@ -14,11 +14,20 @@ from __future__ import annotations
 import numpy as np
 from scipy.ndimage import gaussian_filter
 from scipy.special import gammaln
-from sklearn.base import BaseEstimator
 from sklearn.ensemble import RandomForestClassifier
 
+from detector.base import (
+    DEFAULT_VOTE_THRESHOLD,
+    Detector,
+    DetectorInfo,
+    SampleSet,
+    abnormal_labels,
+    check_binary_labels,
+    check_fitted,
+    vote_fraction,
+)
 from detector.features import check_features, check_images
-from detector.forest import check_binary_labels, check_fitted, vote_fraction
+from detector.registry import register_detector
 
 LUMA = np.array([0.299, 0.587, 0.114])
 _SIGMA = 7.0 / 6.0
@@ -29,6 +38,7 @@ _TINY = 1e-12
 
 
 def feature_names() -> list[str]:
+    """Names of the 36 columns of :func:`nss_features`."""
     names = []
     for scale in (0, 1):
         names += [f"s{scale}_ggd_shape", f"s{scale}_ggd_var"]
@@ -105,13 +115,23 @@ def nss_features(
     return np.nan_to_num(np.concatenate(out)).astype(np.float32)
 
 
-class NSSDetector(BaseEstimator):
+@register_detector
+class NSSDetector(Detector):
     """Random forest on BRISQUE/MSCN statistics of the images themselves.
 
     ``fit(x_images, is_abnormal)``; ``score(x_images)`` -> float64 [N] in [0, 1], the fraction of
     trees voting abnormal: HIGHER = MORE ABNORMAL. ``score_features`` takes precomputed
     :func:`nss_features`.
     """
+
+    info = DetectorInfo(
+        name="nss",
+        short_name="NS",
+        reads="images",
+        supervised=True,
+        default_threshold=DEFAULT_VOTE_THRESHOLD,
+        servable=False,
+    )
 
     def __init__(
         self,
@@ -134,6 +154,16 @@ class NSSDetector(BaseEstimator):
         ).fit(features, y)
         self.n_features_in_ = features.shape[1]
         return self
+
+    def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> NSSDetector:
+        """Fit on the images of clean vs abnormal samples."""
+        return self.fit(
+            np.concatenate([clean.images, abnormal.images]), abnormal_labels(clean, abnormal)
+        )
+
+    def score_samples(self, samples: SampleSet) -> np.ndarray:
+        """:meth:`score` of the samples' images: HIGHER = MORE ABNORMAL."""
+        return self.score(samples.images)
 
     def score_features(self, features: np.ndarray) -> np.ndarray:
         """Scores of precomputed :func:`nss_features`: HIGHER = MORE ABNORMAL."""

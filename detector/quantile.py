@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator
 from torch import nn
 
+from detector.base import Detector, DetectorInfo, SampleSet, check_fitted
 from detector.errors import ArtefactError, ConfigError, InputError
 from detector.features import check_features
-from detector.forest import check_fitted
+from detector.registry import register_detector
 
 FEATURES = ("transport_cost", "all")
 
@@ -81,13 +81,23 @@ class QuantileScorer(nn.Module):
         return outside.amax(dim=1)
 
 
-class QuantileDetector(BaseEstimator):
+@register_detector
+class QuantileDetector(Detector):
     """Zero-shot transport-cost detector (see the module docstring).
 
     ``fit(features, is_abnormal=None, predicted_labels=None, *, feature_names=None)`` uses only
     clean rows (all rows, or those with is_abnormal == 0); ``score(features, predicted_labels=None)``
     -> float64 [N], HIGHER = MORE ABNORMAL (> 0 outside the clean band).
     """
+
+    info = DetectorInfo(
+        name="quantile",
+        short_name="QT",
+        reads="features",
+        supervised=False,
+        default_threshold=None,  # its decision is the calibrated threshold
+        servable=True,
+    )
 
     def __init__(self, feature: str = "transport_cost", fpr: float = 0.05) -> None:
         self.feature = feature
@@ -132,6 +142,14 @@ class QuantileDetector(BaseEstimator):
         self.width_ = width.astype(np.float32)
         return self
 
+    def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> QuantileDetector:
+        """Fit the band on the clean samples' features; ``abnormal`` is ignored (zero-shot)."""
+        return self.fit(clean.features)
+
+    def score_samples(self, samples: SampleSet) -> np.ndarray:
+        """:meth:`score` of the samples' features: HIGHER = MORE ABNORMAL."""
+        return self.score(samples.features)
+
     def score(self, features: np.ndarray, predicted_labels: np.ndarray | None = None) -> np.ndarray:
         """Signed distance outside the clean band in band widths; HIGHER = MORE ABNORMAL.
 
@@ -166,6 +184,7 @@ class QuantileDetector(BaseEstimator):
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], params: dict[str, Any]) -> QuantileDetector:
+        """A detector that scores like the one :meth:`to_arrays` saved."""
         params = dict(params)
         try:
             n_features = int(params.pop("n_features_in"))

@@ -3,15 +3,17 @@
 A tap specification is a list of module names whose forward output is the residual branch
 (before the step size and the addition). Our networks name theirs ``blocks.{m}.residual``;
 torchvision ResNet/ResNeXt/WideResNet blocks end their branch in ``bn2`` (BasicBlock) or ``bn3``
-(Bottleneck), which is the residual before ``out += identity``. Hooks live only inside the
+(Bottleneck), which is the residual before ``out += identity``. :class:`Taps` is the one way
+to hook a model (residuals, other layers' outputs or inputs); hooks live only inside the
 ``with`` block, so a model is never left instrumented.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ from torch import nn
 from detector.errors import ConfigError
 
 Transform = Callable[[torch.Tensor], Any]
+Self = TypeVar("Self", bound="Taps")
 
 
 def default_tap_names(model: nn.Module) -> list[str]:
@@ -43,42 +46,62 @@ def default_tap_names(model: nn.Module) -> list[str]:
     return names
 
 
-class ResidualTaps:
-    """Context manager that records (a transform of) each tapped module's output, in tap order.
+@dataclass(frozen=True)
+class Tap:
+    """Where a hook reads: the ``output`` of module ``module`` or its first positional ``input``
+    ("" names the model itself, so ``Tap("", "input")`` sees every forward pass start)."""
 
-    ``transform`` runs inside the hook (e.g. a reduction), so the full residual tensor need not
-    be kept; by default the tensor itself is kept, with its autograd graph, for training losses.
+    module: str
+    on: Literal["input", "output"] = "output"
+
+
+class Taps:
+    """The one hook helper: a context manager recording (a transform of) what each tap sees.
+
+    ``transform`` runs inside the hook (e.g. a reduction), so the full tensor need not be kept;
+    by default the tensor itself is kept, with its autograd graph. Hooks exist only inside the
+    ``with`` block, so a model is never left instrumented; ``outputs`` are in tap order.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        names: Sequence[str] | None = None,
+        taps: Sequence[str | Tap],
         *,
         transform: Transform | None = None,
     ) -> None:
         self.model = model
-        self.names = list(names) if names is not None else default_tap_names(model)
+        self.taps = [tap if isinstance(tap, Tap) else Tap(tap) for tap in taps]
         self.transform = transform
         modules = dict(model.named_modules())
-        missing = [n for n in self.names if n not in modules]
+        missing = [tap.module for tap in self.taps if tap.module not in modules]
         if missing:
             raise ConfigError(
                 f"tap modules not found in {type(model).__name__}: {', '.join(missing)}"
             )
-        self._modules = [modules[n] for n in self.names]
+        self._modules = [modules[tap.module] for tap in self.taps]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._outputs: list[Any] = [None] * len(self.names)
+        self._outputs: list[Any] = [None] * len(self.taps)
 
-    def _hook(self, index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
-            self._outputs[index] = output if self.transform is None else self.transform(output)
+    @property
+    def names(self) -> list[str]:
+        """The tapped module names, in tap order."""
+        return [tap.module for tap in self.taps]
 
-        return hook
+    def _record(self, index: int, value: torch.Tensor) -> None:
+        self._outputs[index] = value if self.transform is None else self.transform(value)
 
-    def __enter__(self) -> ResidualTaps:
-        for index, module in enumerate(self._modules):
-            self._handles.append(module.register_forward_hook(self._hook(index)))
+    def __enter__(self: Self) -> Self:
+        for index, (tap, module) in enumerate(zip(self.taps, self._modules, strict=True)):
+            if tap.on == "input":
+                handle = module.register_forward_pre_hook(
+                    lambda _m, inputs, i=index: self._record(i, inputs[0])
+                )
+            else:
+                handle = module.register_forward_hook(
+                    lambda _m, _inputs, output, i=index: self._record(i, output)
+                )
+            self._handles.append(handle)
         return self
 
     def __exit__(
@@ -99,5 +122,22 @@ class ResidualTaps:
         return list(self._outputs)
 
     def clear(self) -> None:
-        """Forget the last pass (frees the residual tensors and their graphs)."""
-        self._outputs = [None] * len(self.names)
+        """Forget the last pass (frees the recorded tensors and their graphs)."""
+        self._outputs = [None] * len(self.taps)
+
+
+class ResidualTaps(Taps):
+    """:class:`Taps` on the residual branches (``default_tap_names`` unless ``names`` given)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        names: Sequence[str] | None = None,
+        *,
+        transform: Transform | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            list(names) if names is not None else default_tap_names(model),
+            transform=transform,
+        )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from detector.forest import TransportDetector
 from training.experiments import Samples, Split, run_protocols
-from training.runners import TransportRunner
 
 
 def _samples(
@@ -24,17 +24,18 @@ def _samples(
     )
 
 
-class RecordingTransportRunner(TransportRunner):
-    """The real transport runner, recording which source images each fit saw."""
+class RecordingTransportDetector(TransportDetector):
+    """The real transport detector, recording which source images each fit saw and its seed."""
 
     fitted_on: list[tuple[int, set[int]]] = []
 
-    def fit(self, clean: Samples, abnormal: Samples, seed: int) -> None:
+    def fit_samples(self, clean: Samples, abnormal: Samples) -> TransportDetector:  # type: ignore[override]
         seen = set(clean.indices.tolist()) | (
             set() if abnormal.name == "ood" else set(abnormal.indices.tolist())
         )
-        RecordingTransportRunner.fitted_on.append((seed, seen))
-        super().fit(clean, abnormal, seed)
+        assert self.random_state is not None
+        RecordingTransportDetector.fitted_on.append((self.random_state, seen))
+        return super().fit_samples(clean, abnormal)
 
 
 @pytest.fixture
@@ -65,13 +66,13 @@ def test_split_sides_are_disjoint_and_sized() -> None:
 
 def test_protocols_are_leak_free_and_report_mean_and_std(world) -> None:
     clean, attacks, ood = world
-    RecordingTransportRunner.fitted_on = []
+    RecordingTransportDetector.fitted_on = []
     records = run_protocols(
         model="lap",
         clean=clean,
         attacks=attacks,
         ood_sets=ood,
-        runners=[lambda: RecordingTransportRunner(n_estimators=20)],
+        detectors=[RecordingTransportDetector(n_estimators=20)],
         seen=["fgm", "cw"],
         unseen_train="fgm",
         ood_train=["fgm", "digits"],
@@ -95,7 +96,7 @@ def test_protocols_are_leak_free_and_report_mean_and_std(world) -> None:
     assert rows[("seen", "fgm", "fgm")]["successful_attack_detection_rate"] > 0.95
     assert rows[("ood", "digits", "noise")]["train_set"] == "digits"
     # No source image used in a fit is ever scored as a test sample within the same seed.
-    assert len(RecordingTransportRunner.fitted_on) == 3 * 5  # seen x2, unseen, OOD x2 per seed
-    for seed, fitted in RecordingTransportRunner.fitted_on:
+    assert len(RecordingTransportDetector.fitted_on) == 3 * 5  # seen x2, unseen, OOD x2 per seed
+    for seed, fitted in RecordingTransportDetector.fitted_on:
         test_side = set(np.flatnonzero(Split(seed, 0.1, 400).is_test).tolist())
         assert fitted and not fitted & test_side

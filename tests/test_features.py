@@ -8,14 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from detector.errors import InputError
+from detector.errors import ConfigError, InputError
 from detector.features import (
+    FeatureSpec,
     TransportFeatureExtractor,
     check_features,
     extract_features,
     feature_names,
     sign_directions,
 )
+from detector.taps import Tap, Taps
 
 
 def _hand_residuals(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -35,7 +37,9 @@ def test_features_equal_hand_computation(tiny_network: torch.nn.Module) -> None:
     x = torch.rand(6, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     with (
         torch.no_grad(),
-        TransportFeatureExtractor(tiny_network, extra_directions=2, line_shape=True) as fx,
+        TransportFeatureExtractor(
+            tiny_network, FeatureSpec(extra_directions=2, line_shape=True)
+        ) as fx,
     ):
         logits = tiny_network(x)
         features = fx.features()
@@ -98,8 +102,12 @@ def test_extract_features_is_batch_invariant_and_restores_mode(
 ) -> None:
     x = np.random.default_rng(2).random((10, 1, 28, 28), dtype=np.float32)
     tiny_network.train()
-    small, logits_small = extract_features(tiny_network, x, batch_size=3, line_shape=True)
-    whole, logits_whole = extract_features(tiny_network, x, batch_size=256, line_shape=True)
+    small, logits_small = extract_features(
+        tiny_network, x, batch_size=3, spec=FeatureSpec(line_shape=True)
+    )
+    whole, logits_whole = extract_features(
+        tiny_network, x, batch_size=256, spec=FeatureSpec(line_shape=True)
+    )
     assert tiny_network.training
     assert small.shape == (10, 5)
     np.testing.assert_allclose(small, whole, rtol=1e-4, atol=1e-6)
@@ -119,3 +127,28 @@ def test_bad_inputs_are_refused(tiny_network: torch.nn.Module) -> None:
         InputError, match="fitted on 4 features, got 6: this detector belongs to another network"
     ):
         check_features(np.zeros((2, 6)), 4)
+
+
+def test_feature_spec_is_typed_and_names_its_columns() -> None:
+    spec = FeatureSpec(taps=["blocks.0.residual"], extra_directions=1, line_shape=True)  # type: ignore[arg-type]
+    assert spec.taps == ("blocks.0.residual",)
+    assert spec.names(1) == ["msq_0", "cos_0", "cos_0_dir1", "line_shape"]
+    assert spec.names(2) == feature_names(2, extra_directions=1, line_shape=True)
+    with pytest.raises(InputError, match="extra_directions must be >= 0"):
+        FeatureSpec(extra_directions=-1)
+
+
+def test_taps_record_inputs_and_outputs_and_leave_no_hook(tiny_network: torch.nn.Module) -> None:
+    x = torch.rand(3, 1, 28, 28, generator=torch.Generator().manual_seed(4))
+    block = tiny_network.blocks[1]
+    with torch.no_grad(), Taps(tiny_network, [Tap("blocks.1", "input"), "blocks.1"]) as taps:
+        tiny_network(x)
+        seen_input, seen_output = taps.outputs
+    with torch.no_grad():
+        state = tiny_network.blocks[0](tiny_network.stem(tiny_network.normalize(x)))
+        assert torch.equal(seen_input, state) and torch.equal(seen_output, block(state))
+    with torch.no_grad(), TransportFeatureExtractor(tiny_network, FeatureSpec(line_shape=True)):
+        tiny_network(x)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in tiny_network.modules())
+    with pytest.raises(ConfigError, match="tap modules not found"):
+        Taps(tiny_network, ["blocks.9"])

@@ -14,14 +14,16 @@ Each experiment is repeated over seeds and reported as mean ± std.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from detector.artefacts import save_npz
+from detector.base import Detector
 from detector.calibration import calibrate_threshold
 from detector.metrics import detection_metrics
 
@@ -83,19 +85,6 @@ def concat(parts: Sequence[Samples], name: str = "mixed") -> Samples:
     )
 
 
-class DetectorRunner(Protocol):
-    """What an experiment needs of a detector: fit on clean vs abnormal, then score (higher = abnormal)."""
-
-    name: str
-    default_threshold: (
-        float | None
-    )  # the detector's own decision (forest vote); None: use the calibrated one
-
-    def fit(self, clean: Samples, abnormal: Samples, seed: int) -> None: ...
-
-    def score(self, samples: Samples) -> np.ndarray: ...
-
-
 @dataclass
 class Split:
     """B1/B2 membership of test-image indices for one seed."""
@@ -134,20 +123,6 @@ class Outcome:
     metrics: dict[str, float]
     is_abnormal: np.ndarray
     scores: np.ndarray
-
-
-def _fit_and_evaluate(
-    runner: DetectorRunner,
-    train_clean: Samples,
-    train_abnormal: Samples,
-    calibration_clean: Samples,
-    test_clean: Samples,
-    test_abnormal: Samples,
-    seed: int,
-    target_fpr: float,
-) -> Outcome:
-    runner.fit(train_clean, train_abnormal, seed)
-    return _evaluate_fitted(runner, calibration_clean, test_clean, test_abnormal, target_fpr)
 
 
 def _balanced(
@@ -196,7 +171,7 @@ def run_protocols(
     clean: Samples,
     attacks: dict[str, Samples],
     ood_sets: dict[str, Samples],
-    runners: Sequence[Callable[[], DetectorRunner]],
+    detectors: Sequence[Detector],
     seen: Sequence[str],
     unseen_train: str | None,
     ood_train: Sequence[str],
@@ -208,88 +183,137 @@ def run_protocols(
 ) -> list[ExperimentRecord]:
     """Run seen, unseen and OOD experiments for every detector over ``seeds``.
 
-    ``attacks`` and ``clean`` rows carry test-image indices; ``ood_sets`` are external (their
-    rows are split by position). ``noisy_copies`` (noised clean images, labelled clean) are added
-    to the training side when given.
+    ``detectors`` are prototypes (prepared, e.g. Mahalanobis statistics, but not fitted); each
+    fit uses ``prototype.with_seed(seed)`` through the one contract (``fit_samples`` /
+    ``score_samples``). ``attacks`` and ``clean`` rows carry test-image indices; ``ood_sets`` are
+    external (their rows are split by position). ``noisy_copies`` (noised clean images,
+    labelled clean) are added to the training side when given.
     """
     universe = int(max(clean.indices.max(), *(a.indices.max() for a in attacks.values()))) + 1
-    records: dict[tuple[str, str, str, str], ExperimentRecord] = {}
-    jobs = len(seeds) * len(runners) * (len(seen) + (1 if unseen_train else 0) + len(ood_train))
-    bar = tqdm(
-        total=jobs,
+    per_seed = len(seen) + (1 if unseen_train else 0) + len(ood_train)
+    protocols = _Protocols(model, attacks, ood_sets, target_fpr)
+    with tqdm(
+        total=len(seeds) * len(detectors) * per_seed,
         desc=f"detection experiments ({model})",
         disable=not progress,
         dynamic_ncols=True,
-    )
+    ) as bar:
+        for seed in seeds:
+            sides = _Sides.of(seed, test_fraction, universe, clean, noisy_copies)
+            for prototype in detectors:
+                for key in seen:
+                    protocols.seen(prototype, sides, key)
+                    bar.update()
+                if unseen_train:
+                    protocols.unseen(prototype, sides, unseen_train)
+                    bar.update()
+                for train_key in ood_train:
+                    protocols.ood(prototype, sides, train_key)
+                    bar.update()
+    return list(protocols.records.values())
 
-    def record(detector: str, setting: str, train: str, test: str, outcome: Outcome) -> None:
-        key = (detector, setting, train, test)
-        records.setdefault(
-            key, ExperimentRecord(model, detector, setting, train, test)
-        ).outcomes.append(outcome)
 
-    for seed in seeds:
+@dataclass
+class _Sides:
+    """One seed's split of the clean samples, and the seed's generator for balancing."""
+
+    seed: int
+    split: Split
+    rng: np.random.Generator
+    train_clean: Samples
+    calibration_clean: Samples
+    test_clean: Samples
+
+    @classmethod
+    def of(
+        cls,
+        seed: int,
+        test_fraction: float,
+        universe: int,
+        clean: Samples,
+        noisy_copies: Samples | None,
+    ) -> _Sides:
         split = Split(seed, test_fraction, universe)
-        rng = np.random.default_rng(seed)
-        train_clean_all = split.train(clean)
+        train_clean = split.train(clean)
         if noisy_copies is not None:
-            train_clean_all = concat([train_clean_all, split.train(noisy_copies)], "clean+noise")
-        calibration_clean = split.calibration(clean)
-        test_clean_all = split.test(clean)
-        for make_runner in runners:
-            runner = make_runner()
+            train_clean = concat([train_clean, split.train(noisy_copies)], "clean+noise")
+        return cls(
+            seed,
+            split,
+            np.random.default_rng(seed),
+            train_clean,
+            split.calibration(clean),
+            split.test(clean),
+        )
 
-            for key in seen:
-                train_clean, train_abnormal = _paired(train_clean_all, split.train(attacks[key]))
-                test_clean, test_abnormal = _paired(test_clean_all, split.test(attacks[key]))
-                outcome = _fit_and_evaluate(
-                    runner,
-                    train_clean,
-                    train_abnormal,
-                    calibration_clean,
-                    test_clean,
-                    test_abnormal,
-                    seed,
-                    target_fpr,
-                )
-                record(runner.name, "seen", key, key, outcome)
-                bar.update()
-            if unseen_train:
-                train_clean, train_abnormal = _paired(
-                    train_clean_all, split.train(attacks[unseen_train])
-                )
-                runner.fit(train_clean, train_abnormal, seed)
-                for key in attacks:
-                    if key == unseen_train:
-                        continue
-                    test_clean, test_abnormal = _paired(test_clean_all, split.test(attacks[key]))
-                    outcome = _evaluate_fitted(
-                        runner, calibration_clean, test_clean, test_abnormal, target_fpr
-                    )
-                    record(runner.name, "unseen", unseen_train, key, outcome)
-                bar.update()
-            for train_key in ood_train:
-                source = attacks[train_key] if train_key in attacks else ood_sets[train_key]
-                if train_key in attacks:
-                    train_clean, train_abnormal = _paired(
-                        train_clean_all, split.train(attacks[train_key])
-                    )
-                else:
-                    train_abnormal = _positional_half(source, seed, first=True)
-                    train_clean, train_abnormal = _balanced(train_clean_all, train_abnormal, rng)
-                runner.fit(train_clean, train_abnormal, seed)
-                for test_key, ood in ood_sets.items():
-                    if test_key == train_key:
-                        continue
-                    test_ood = _positional_half(ood, seed, first=False) if ood is source else ood
-                    test_clean, test_ood = _balanced(test_clean_all, test_ood, rng)
-                    outcome = _evaluate_fitted(
-                        runner, calibration_clean, test_clean, test_ood, target_fpr
-                    )
-                    record(runner.name, "ood", train_key, test_key, outcome)
-                bar.update()
-    bar.close()
-    return list(records.values())
+
+@dataclass
+class _Protocols:
+    """The three protocols for one model, collecting one record per (detector, setting, sets)."""
+
+    model: str
+    attacks: dict[str, Samples]
+    ood_sets: dict[str, Samples]
+    target_fpr: float
+    records: dict[tuple[str, str, str, str], ExperimentRecord] = field(default_factory=dict)
+
+    def _record(
+        self, detector: Detector, setting: str, train: str, test: str, outcome: Outcome
+    ) -> None:
+        name = detector.info.name
+        record = self.records.setdefault(
+            (name, setting, train, test),
+            ExperimentRecord(self.model, name, setting, train, test),
+        )
+        record.outcomes.append(outcome)
+
+    def _evaluate(
+        self, detector: Detector, sides: _Sides, test_clean: Samples, test_abnormal: Samples
+    ) -> Outcome:
+        return _evaluate_fitted(
+            detector, sides.calibration_clean, test_clean, test_abnormal, self.target_fpr
+        )
+
+    def seen(self, prototype: Detector, sides: _Sides, key: str) -> None:
+        """Train and test on the same attack (its B1 and B2 sides)."""
+        attack = self.attacks[key]
+        train_clean, train_abnormal = _paired(sides.train_clean, sides.split.train(attack))
+        test_clean, test_abnormal = _paired(sides.test_clean, sides.split.test(attack))
+        detector = prototype.with_seed(sides.seed).fit_samples(train_clean, train_abnormal)
+        self._record(
+            detector, "seen", key, key, self._evaluate(detector, sides, test_clean, test_abnormal)
+        )
+
+    def unseen(self, prototype: Detector, sides: _Sides, train_key: str) -> None:
+        """Train on one attack, test on every other attack's B2."""
+        train_clean, train_abnormal = _paired(
+            sides.train_clean, sides.split.train(self.attacks[train_key])
+        )
+        detector = prototype.with_seed(sides.seed).fit_samples(train_clean, train_abnormal)
+        for key, attack in self.attacks.items():
+            if key == train_key:
+                continue
+            test_clean, test_abnormal = _paired(sides.test_clean, sides.split.test(attack))
+            outcome = self._evaluate(detector, sides, test_clean, test_abnormal)
+            self._record(detector, "unseen", train_key, key, outcome)
+
+    def ood(self, prototype: Detector, sides: _Sides, train_key: str) -> None:
+        """Train against one abnormal set (an attack or an OOD set), test on every other OOD set."""
+        if train_key in self.attacks:
+            source = self.attacks[train_key]
+            train_clean, train_abnormal = _paired(sides.train_clean, sides.split.train(source))
+        else:
+            source = self.ood_sets[train_key]
+            train_abnormal = _positional_half(source, sides.seed, first=True)
+            train_clean, train_abnormal = _balanced(sides.train_clean, train_abnormal, sides.rng)
+        detector = prototype.with_seed(sides.seed).fit_samples(train_clean, train_abnormal)
+        for test_key, ood in self.ood_sets.items():
+            if test_key == train_key:
+                continue
+            test_ood = _positional_half(ood, sides.seed, first=False) if ood is source else ood
+            test_clean, test_ood = _balanced(sides.test_clean, test_ood, sides.rng)
+            outcome = self._evaluate(detector, sides, test_clean, test_ood)
+            self._record(detector, "ood", train_key, test_key, outcome)
 
 
 def _paired(clean: Samples, abnormal: Samples) -> tuple[Samples, Samples]:
@@ -304,18 +328,18 @@ def _positional_half(samples: Samples, seed: int, *, first: bool) -> Samples:
 
 
 def _evaluate_fitted(
-    runner: DetectorRunner,
+    detector: Detector,
     calibration_clean: Samples,
     test_clean: Samples,
     test_abnormal: Samples,
     target_fpr: float,
 ) -> Outcome:
-    """Metrics of a fitted runner on a balanced test set, at its own decision and at the threshold
+    """Metrics of a fitted detector on a balanced test set, at its own decision and at the threshold
     calibrated on held-out clean samples of the training side."""
-    calibrated = calibrate_threshold(runner.score(calibration_clean), target_fpr)
-    scores = np.concatenate([runner.score(test_clean), runner.score(test_abnormal)]).astype(
-        np.float32
-    )
+    calibrated = calibrate_threshold(detector.score_samples(calibration_clean), target_fpr)
+    scores = np.concatenate(
+        [detector.score_samples(test_clean), detector.score_samples(test_abnormal)]
+    ).astype(np.float32)
     is_abnormal = np.concatenate(
         [np.zeros(len(test_clean), bool), np.ones(len(test_abnormal), bool)]
     )
@@ -324,7 +348,8 @@ def _evaluate_fitted(
         success = np.concatenate(
             [np.zeros(len(test_clean), bool), test_abnormal.success.astype(bool)]
         )
-    threshold = runner.default_threshold if runner.default_threshold is not None else calibrated
+    own = detector.info.default_threshold
+    threshold = own if own is not None else calibrated
     metrics = {
         k: float(v)
         for k, v in detection_metrics(
@@ -346,4 +371,4 @@ def save_first_scores(records: Sequence[ExperimentRecord], directory: Path) -> N
             continue
         path = directory / rec.model / rec.detector / rec.setting / f"{rec.train}__{rec.test}.npz"
         path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(path, is_abnormal=rec.outcomes[0].is_abnormal, scores=rec.outcomes[0].scores)
+        save_npz(path, is_abnormal=rec.outcomes[0].is_abnormal, scores=rec.outcomes[0].scores)

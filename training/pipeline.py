@@ -205,8 +205,8 @@ def evaluate(
     config: PipelineConfig, run: Path, *, root: Path | None = None, progress: bool = True
 ) -> dict[str, Any]:
     """Run the detection protocols on every network; writes evaluation.json and first-seed scores."""
+    from detector.registry import get_detector
     from training.data import load_dataset, to_arrays
-    from training.runners import runner_factories
 
     path = run / EVALUATION_FILE
     if path.is_file():
@@ -220,24 +220,27 @@ def evaluate(
             config, run, name, sets[name], root=root
         )
         statistics = None
-        if "mahalanobis" in config.detectors:
-            from detector.mahalanobis import MahalanobisDetector
-
-            # Class means and tied covariance from clean training images, shared by every fit.
+        params: dict[str, dict[str, Any]] = {
+            "transport": {"n_jobs": -1},
+            "mahalanobis": {"magnitudes": tuple(config.mahalanobis_magnitudes), "n_jobs": -1},
+        }
+        detectors = [get_detector(d, **params.get(d, {})) for d in config.detectors]
+        for detector in detectors:
+            if detector.info.reads != "network":
+                continue
+            # Statistics from clean training images (shared by every fit), then per-image-set
+            # arrays computed once and cached on disk.
             clean_x, clean_y = to_arrays(
                 load_dataset(config.dataset, "train", root=root), config.mahalanobis_clean_n, seed=1
             )
-            statistics = MahalanobisDetector(
-                magnitudes=tuple(config.mahalanobis_magnitudes)
-            ).fit_clean(model, clean_x, clean_y)
+            statistics = detector.prepare(model, clean_x, clean_y)
             for samples in (clean, *attacks.values(), *ood.values()):
                 _add_mahalanobis_features(
-                    run / "features" / name / "mahalanobis" / f"{samples.name}.npz",
+                    run / "features" / name / detector.info.name / f"{samples.name}.npz",
                     statistics,
                     model,
                     samples,
                 )
-        factories = runner_factories(config.detectors, mahalanobis_statistics=statistics)
         noisy = (
             _noisy_copies(clean, model, 0.1, str(networks.resolve_device(config.device)))
             if config.noisy_copies
@@ -248,7 +251,7 @@ def evaluate(
             clean=clean,
             attacks=attacks,
             ood_sets=ood,
-            runners=factories,
+            detectors=detectors,
             seen=config.seen_keys,
             unseen_train=config.unseen_train,
             ood_train=config.ood_train,
@@ -271,7 +274,7 @@ def _add_mahalanobis_features(
     path: Path, statistics: Any, model: torch.nn.Module, samples: Samples
 ) -> None:
     """Per-magnitude Mahalanobis features of a sample set, computed once and cached on disk."""
-    from training.runners import mahalanobis_key
+    from detector.mahalanobis import mahalanobis_key
 
     keys = [mahalanobis_key(m) for m in statistics.magnitudes]
     if path.is_file():
@@ -279,9 +282,8 @@ def _add_mahalanobis_features(
             if all(k in cached for k in keys) and len(cached[keys[0]]) == len(samples):
                 samples.extra.update({k: cached[k] for k in keys})
                 return
-    features = statistics.features_by_magnitude(model, samples.images)
     path.parent.mkdir(parents=True, exist_ok=True)
-    samples.extra.update({mahalanobis_key(m): f for m, f in features.items()})
+    samples.extra.update(statistics.precompute(model, samples.images))
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, **{k: samples.extra[k] for k in keys})
     tmp.replace(path)

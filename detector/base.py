@@ -1,0 +1,173 @@
+"""The one detector contract: what every detector reads, how it fits and scores, its metadata.
+
+Every detector is a scikit-learn style estimator (``__init__`` stores parameters only, learned
+attributes end in ``_``, :func:`check_fitted` guards use) with two entry levels:
+
+- its own level, on the arrays it reads (``TransportDetector.fit(features, is_abnormal,
+  predicted)``, ``NSSDetector.fit(images, is_abnormal)``, ...);
+- the common level, on sample sets (anything with row-aligned ``images``, ``features``,
+  ``predicted`` and ``extra`` arrays, like ``training.experiments.Samples``):
+  ``fit_samples(clean, abnormal)`` and ``score_samples(samples)``, HIGHER = MORE ABNORMAL.
+
+Detectors that read the network (``info.reads == "network"``) are first prepared on clean
+training images (``prepare``) and read per-image-set arrays that ``precompute`` returns into
+``samples.extra`` once, so many fits share one pass of the network. Detectors with a torch form
+(``info.servable``) also give ``to_torch``, ``to_arrays``/``from_arrays`` and ``save``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
+
+import numpy as np
+from sklearn.base import BaseEstimator
+from sklearn.ensemble import RandomForestClassifier
+from sklearn.exceptions import NotFittedError as SklearnNotFittedError
+from sklearn.utils.validation import check_is_fitted
+from torch import nn
+
+from detector.artefacts import save_arrays, write_json
+from detector.errors import ConfigError, InputError, NotFittedError
+
+DEFAULT_VOTE_THRESHOLD = 0.5  # forests flag an input when more than half of the trees vote so
+ARRAYS_FILE = "detector.safetensors"
+PARAMS_FILE = "detector.json"
+
+Reads = Literal["features", "images", "network"]
+Self = TypeVar("Self", bound="Detector")
+
+
+@dataclass(frozen=True)
+class DetectorInfo:
+    """What a registered detector is, for configs, the CLI, the report and the bundle."""
+
+    name: str  # registry name, e.g. "transport"
+    short_name: str  # report label, e.g. "TR"
+    reads: Reads  # transport features, the images themselves, or images through the network
+    supervised: bool  # False: fitted on clean samples only (abnormal ones are ignored)
+    default_threshold: float | None  # its own decision (forest vote); None: the calibrated one
+    servable: bool  # has a torch form and travels in a bundle
+
+
+class SampleSet(Protocol):
+    """Row-aligned inputs of one kind; ``training.experiments.Samples`` is one."""
+
+    images: np.ndarray  # [N, C, H, W] float32
+    features: np.ndarray  # transport features [N, F]
+    predicted: np.ndarray  # the network's predicted labels [N]
+    extra: dict[str, np.ndarray]  # precomputed per-row arrays (``Detector.precompute``)
+
+    def __len__(self) -> int: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Shared checks
+# --------------------------------------------------------------------------------------------
+def check_fitted(estimator: BaseEstimator) -> None:
+    """Raise lapguard's NotFittedError when ``estimator`` has not been fitted."""
+    try:
+        check_is_fitted(estimator)
+    except SklearnNotFittedError as error:
+        raise NotFittedError(
+            f"this {type(estimator).__name__} is not fitted yet: call fit first"
+        ) from error
+
+
+def check_binary_labels(is_abnormal: np.ndarray, n: int) -> np.ndarray:
+    """0/1 labels (1 = abnormal) of length n with both classes present, as int64."""
+    labels = np.asarray(is_abnormal)
+    if labels.shape != (n,):
+        raise InputError(f"is_abnormal must have shape ({n},), got {labels.shape}")
+    if labels.dtype != bool and not np.isin(labels, (0, 1)).all():
+        raise InputError("is_abnormal must hold 0 (clean) and 1 (abnormal) only")
+    labels = labels.astype(np.int64)
+    if labels.min(initial=1) == labels.max(initial=0):
+        raise InputError(
+            "is_abnormal needs both clean (0) and abnormal (1) samples to fit a detector"
+        )
+    return labels
+
+
+def check_class_labels(labels: np.ndarray, n: int, name: str = "predicted_labels") -> np.ndarray:
+    """Integer class labels of length n, as int64."""
+    array = np.asarray(labels)
+    if array.shape != (n,):
+        raise InputError(f"{name} must have shape ({n},), got {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise InputError(f"{name} must be integer class indices, got dtype {array.dtype}")
+    return array.astype(np.int64)
+
+
+def vote_fraction(forest: RandomForestClassifier, features: np.ndarray) -> np.ndarray:
+    """Fraction of a fitted binary forest's trees voting class 1 (hard votes), float64 [N]."""
+    votes = np.zeros(len(features), dtype=np.int64)
+    for tree in forest.estimators_:
+        votes += tree.predict(features).astype(np.int64)
+    return votes / len(forest.estimators_)
+
+
+def abnormal_labels(clean: SampleSet, abnormal: SampleSet) -> np.ndarray:
+    """0 for every clean row then 1 for every abnormal row (bool [len(clean) + len(abnormal)])."""
+    return np.concatenate([np.zeros(len(clean), bool), np.ones(len(abnormal), bool)])
+
+
+# --------------------------------------------------------------------------------------------
+# The contract
+# --------------------------------------------------------------------------------------------
+class Detector(BaseEstimator):
+    """Base of every detector: metadata in ``info`` and the sample-set entry level.
+
+    Subclasses implement ``fit_samples`` and ``score_samples``; servable ones also ``to_torch``,
+    ``to_arrays`` and ``from_arrays``. Scores are float64 [N], HIGHER = MORE ABNORMAL.
+    """
+
+    info: ClassVar[DetectorInfo]
+
+    def fit_samples(self: Self, clean: SampleSet, abnormal: SampleSet) -> Self:
+        """Fit on clean vs abnormal sample sets (clean-only detectors ignore ``abnormal``)."""
+        raise NotImplementedError
+
+    def score_samples(self, samples: SampleSet) -> np.ndarray:
+        """Abnormality scores of a sample set, float64 [N]: HIGHER = MORE ABNORMAL."""
+        raise NotImplementedError
+
+    def prepare(self: Self, model: nn.Module, images: np.ndarray, labels: np.ndarray) -> Self:
+        """Fit what the detector learns from clean training images once (a no-op by default)."""
+        return self
+
+    def precompute(self, model: nn.Module, images: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-row arrays of ``images`` that ``fit_samples``/``score_samples`` read from
+        ``samples.extra`` (none by default): computed once per image set, shared by every fit."""
+        return {}
+
+    def with_seed(self: Self, seed: int) -> Self:
+        """An unfitted copy with ``random_state=seed`` (when it has one) that shares what
+        ``prepare`` learned: one detector per seed of an experiment."""
+        params = self.get_params()
+        if "random_state" in params:
+            params["random_state"] = seed
+        return type(self)(**params)
+
+    def to_torch(self) -> nn.Module:
+        """The fitted detector as a torch module ``forward(features, predicted=None) -> scores``."""
+        raise ConfigError(f"the {self.info.name} detector has no torch form: it cannot be served")
+
+    def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Numpy arrays + JSON-able parameters that :meth:`from_arrays` turns back into it."""
+        raise ConfigError(f"the {self.info.name} detector cannot be saved as arrays")
+
+    @classmethod
+    def from_arrays(cls: type[Self], arrays: dict[str, np.ndarray], params: dict[str, Any]) -> Self:
+        """A detector that scores like the one :meth:`to_arrays` saved."""
+        raise ConfigError(f"the {cls.info.name} detector cannot be loaded from arrays")
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``detector.safetensors`` (arrays) and ``detector.json`` (kind + params)."""
+        arrays, params = self.to_arrays()
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_arrays(out / ARRAYS_FILE, arrays)
+        write_json(out / PARAMS_FILE, {"kind": self.info.name, "params": params})
+        return out
