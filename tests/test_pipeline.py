@@ -149,7 +149,7 @@ def test_served_bundle_flags_held_out_attacks_at_the_evaluated_rate(smoke_run, d
     import httpx
 
     from service.settings import Settings
-    from tests.test_service import LiveServer
+    from tests.live_server import LiveServer
     from training.adversarial import attack_images, get_or_generate
     from training.experiments import Split
 
