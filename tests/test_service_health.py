@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from service import healthcheck
 from tests.service_helpers import CLASSES, v2_request
 
 
@@ -64,3 +65,15 @@ def test_metrics_are_exposed(client, images) -> None:
         "lapguard_ready 1.0",
     ):
         assert name in text
+
+
+def test_container_healthcheck_probes_the_port_of_the_settings(server, monkeypatch) -> None:
+    monkeypatch.setenv("LAPGUARD_PORT", str(server.port))
+    assert healthcheck.main(["/readyz"]) == 0 and healthcheck.main([]) == 0
+    assert healthcheck.main(["/nowhere"]) == 1
+    assert healthcheck.check("/healthz", port=server.port)
+    server.runtime.draining = True
+    try:
+        assert healthcheck.main(["/readyz"]) == 1
+    finally:
+        server.runtime.draining = False
