@@ -32,6 +32,10 @@ data: setup
 test: setup data
 	$(BIN)/python -m pytest -q
 
+# The suite without the tests marked `slow` (end-to-end pipeline, training, DDP, presets).
+test-fast: setup data
+	$(BIN)/python -m pytest -q -m "not slow"
+
 lint: setup
 	$(BIN)/ruff check detector training service tests benchmarks
 	$(BIN)/ruff format --check detector training service tests benchmarks
