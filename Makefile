@@ -7,15 +7,23 @@ STAMP := $(VENV)/.installed
 DATA_ROOT ?= data
 export LAPGUARD_DATA ?= $(abspath $(DATA_ROOT))
 
-.PHONY: setup data test test-fast lint demo clean
+.PHONY: setup system-tools data test test-fast lint demo clean
 
 # Create .venv and install the project with its extras; a no-op while pyproject.toml is unchanged.
-setup: $(STAMP)
+setup: $(STAMP) system-tools
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# Tools the tests run that pip cannot install: Debian's docker-compose (validates the compose file
+# without an engine). apt-get runs only when the command is absent; `apt-get update` if lists lack.
+system-tools:
+	@command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq docker-compose >/dev/null \
+	  || { apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; }; }
 
 # Lay out the embedded Fashion-MNIST where torchvision expects it (installs Debian's package when it can).
 data: setup
@@ -23,6 +31,10 @@ data: setup
 
 test: setup data
 	$(BIN)/python -m pytest -q
+
+# The suite without the tests marked `slow` (end-to-end pipeline, training, DDP, presets).
+test-fast: setup data
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check detector training service tests benchmarks

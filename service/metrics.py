@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -32,42 +34,35 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        http_labels = ["route", "method", "status"]
         self.requests = Counter(
             "lapguard_http_requests",
             "HTTP requests by route, method and status",
-            ["route", "method", "status"],
+            http_labels,
             registry=r,
         )
-        self.latency = Histogram(
+        self.latency = self._histogram(
             "lapguard_http_request_duration_seconds",
             "HTTP request latency by route, method and status",
-            ["route", "method", "status"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
+            http_labels,
         )
-        self.batch_size = Histogram(
-            "lapguard_batch_size", "images per forward pass", buckets=_BATCH_BUCKETS, registry=r
+        self.batch_size = self._histogram(
+            "lapguard_batch_size", "images per forward pass", _BATCH_BUCKETS
         )
-        self.batch_seconds = Histogram(
-            "lapguard_batch_duration_seconds",
-            "time of one Guard call on a batch",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.batch_seconds = self._histogram(
+            "lapguard_batch_duration_seconds", "time of one Guard call on a batch", _LATENCY_BUCKETS
         )
-        self.queue_seconds = Histogram(
+        self.queue_seconds = self._histogram(
             "lapguard_queue_wait_seconds",
             "time an image waited before its batch ran",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
         self.queue_depth = Gauge("lapguard_queue_images", "images waiting for a batch", registry=r)
         self.images = Counter("lapguard_images", "images scored", registry=r)
         self.flagged = Counter("lapguard_flagged", "images flagged as abnormal", registry=r)
-        self.scores = Histogram(
-            "lapguard_score",
-            "abnormality score (higher = more abnormal)",
-            buckets=_SCORE_BUCKETS,
-            registry=r,
+        self.scores = self._histogram(
+            "lapguard_score", "abnormality score (higher = more abnormal)", _SCORE_BUCKETS
         )
         self.rejected = Counter(
             "lapguard_rejected",
@@ -76,3 +71,12 @@ class Metrics:
             registry=r,
         )
         self.ready = Gauge("lapguard_ready", "1 when the model is loaded and warmed up", registry=r)
+
+    def _histogram(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        labels: Sequence[str] = (),
+    ) -> Histogram:
+        return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)

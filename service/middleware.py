@@ -21,18 +21,32 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _QUIET_ROUTES = {"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"}
 
 
-class RequestContextMiddleware:
-    """Gives every request an id (``X-Request-ID`` in, or a new one; always echoed out), logs one
-    JSON line per request and records request count and latency by route template and status."""
+class HttpMiddleware:
+    """An ASGI middleware that passes everything but HTTP (lifespan, websockets) straight through
+    and hands HTTP requests to ``handle``."""
 
-    def __init__(self, app: ASGIApp, *, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class RequestContextMiddleware(HttpMiddleware):
+    """Gives every request an id (``X-Request-ID`` in, or a new one; always echoed out), logs one
+    JSON line per request and records request count and latency by route template and status."""
+
+    def __init__(self, app: ASGIApp, *, metrics: Metrics) -> None:
+        super().__init__(app)
+        self.metrics = metrics
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = Headers(scope=scope).get("x-request-id", "")
         request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
         token = request_id_var.set(request_id)
@@ -75,18 +89,15 @@ class RequestContextMiddleware:
             request_id_var.reset(token)
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HttpMiddleware):
     """Refuses bodies over ``max_bytes`` with 413: at once from ``Content-Length``, or while the
     body streams in (chunked uploads), so a huge upload is never buffered."""
 
     def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = Headers(scope=scope).get("content-length")
         if declared is not None:
             if not declared.isdigit():

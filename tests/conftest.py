@@ -1,13 +1,21 @@
-"""Shared fixtures: the embedded data set and tiny seeded networks."""
+"""Shared fixtures: the embedded data set, tiny seeded networks, and for the service tests a tiny
+real bundle, its Guard, a live server on it and encoded images."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from detector.networks import InputSpec, NetworkConfig, build_network
+from service.settings import Settings
+from tests.live_server import LiveServer
+from tests.service_helpers import API_KEY, LIMITS, build_service_bundle, encode, synthetic_images
 from training.data import FASHION_CLASSES, default_root, prepare_fashion_mnist
 
 
@@ -42,3 +50,51 @@ def tiny_config() -> NetworkConfig:
 def tiny_network(tiny_config: NetworkConfig) -> torch.nn.Module:
     torch.manual_seed(0)
     return build_network(tiny_config).eval()
+
+
+# ---- the service: a tiny real bundle and a live server ------------------------------------------
+@pytest.fixture(scope="session")
+def service_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny real bundle of the service tests (see `build_service_bundle`); read-only."""
+    return build_service_bundle(tmp_path_factory.mktemp("service"))
+
+
+@pytest.fixture(scope="module")
+def guard(service_bundle: Path):
+    """The bundle's Guard in process: the reference the served answers are compared with."""
+    from detector.guard import Guard
+
+    return Guard.from_bundle(service_bundle, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(service_bundle: Path) -> Iterator[LiveServer]:
+    """Loads the bundle itself in its lifespan (like `lapguard serve`), with an API key and small limits."""
+    settings = Settings(
+        bundle=service_bundle,
+        device="cpu",
+        api_key=API_KEY,
+        max_batch_size=8,
+        max_wait_ms=2,
+        **LIMITS,
+    )
+    with LiveServer(settings) as live:
+        yield live
+
+
+@pytest.fixture()
+def client(server: LiveServer) -> Iterator[httpx.Client]:
+    """An httpx client of `server` that sends the API key."""
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": API_KEY}, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    """Five 28x28 grayscale PNGs, a 40x40 RGB JPEG and a 320x240 RGB PNG (converted by the Guard:
+    the large one takes the decode-in-a-thread path), a GIF."""
+    arrays = (synthetic_images(6, seed=3)[:, 0] * 255).round().astype(np.uint8)
+    blobs = [encode(a) for a in arrays[:5]]
+    rgb = np.random.default_rng(4).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+    large = np.asarray(Image.fromarray(rgb).resize((320, 240), Image.BILINEAR))
+    return [*blobs, encode(rgb, "JPEG"), encode(large), encode(arrays[5], "GIF")]

@@ -22,10 +22,9 @@ from service.batch import (
 )
 from service.batch.http import HttpScorer, _drive, score_url
 from service.settings import Settings
-from tests.test_service import CLASSES, LiveServer, encode, service_bundle, synthetic_images
+from tests.live_server import LiveServer
+from tests.service_helpers import CLASSES, encode, synthetic_images
 from training.cli import main as cli_main
-
-__all__ = ["service_bundle"]  # the module-scoped bundle fixture, shared with the service tests
 
 
 @pytest.fixture(scope="module")

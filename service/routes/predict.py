@@ -6,15 +6,16 @@ from __future__ import annotations
 import base64
 import binascii
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from detector.errors import InputError, InputTooLargeError, UnsupportedMediaError
-from service.deps import RuntimeDep, require_api_key
+from service.deps import RuntimeDep
+from service.routes.inference import inference_route
 from service.runtime import Runtime
-from service.schemas import ERROR_RESPONSES, ModelRef, Prediction, PredictRequest, PredictResponse
+from service.schemas import ModelRef, Prediction, PredictRequest, PredictResponse
 
 router = APIRouter(tags=["v1"])
 
@@ -39,11 +40,10 @@ _BODY = {
 _ACCEPTED_PART_TYPES = ("image/", "application/octet-stream")
 
 
-@router.post(
+@inference_route(
+    router,
     "/v1/predict",
     response_model=PredictResponse,
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
     openapi_extra=_BODY,
     summary="classify images and flag adversarial / out-of-distribution ones",
 )

@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 
 import detector
 from detector.errors import InputError, UnsupportedMediaError
-from service.deps import RuntimeDep, require_api_key
+from service.deps import RuntimeDep
 from service.errors import ModelNotFoundError
 from service.inference_protocol import (
     HEADER_LENGTH,
@@ -27,6 +27,7 @@ from service.inference_protocol import (
     parse_request,
     response_body,
 )
+from service.routes.inference import inference_route
 from service.runtime import Runtime
 from service.schemas import (
     ERROR_RESPONSES,
@@ -141,18 +142,11 @@ _INFER_BODY = {
 }
 
 
-@router.post(
+@inference_route(
+    router,
+    "/v2/models/{name}/versions/{version}/infer",
     "/v2/models/{name}/infer",
     response_model=InferenceResponse,
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
-    openapi_extra=_INFER_BODY,
-)
-@router.post(
-    "/v2/models/{name}/versions/{version}/infer",
-    response_model=InferenceResponse,
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
     openapi_extra=_INFER_BODY,
 )
 async def infer(

@@ -1,0 +1,164 @@
+"""What the service tests share besides fixtures: the tiny real bundle, seeded images, the
+reference answers of the in-process Guard, and readers of the two error shapes."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from detector.images import decode_image
+from detector.networks import InputSpec, NetworkConfig, build_network, save
+
+API_KEY = "test-key-123"
+CLASSES = [f"class_{i}" for i in range(10)]
+LIMITS = {"max_body_bytes": 200_000, "max_images_per_request": 8, "max_pixels": 512 * 512}
+PREDICTION_KEYS = {
+    "index",
+    "filename",
+    "label",
+    "class_name",
+    "confidence",
+    "flagged",
+    "score",
+    "threshold",
+}
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def synthetic_images(n: int, seed: int) -> np.ndarray:
+    """Smooth seeded blobs, float32 [n, 1, 28, 28] in [0, 1]."""
+    rng = np.random.default_rng(seed)
+    coarse = torch.from_numpy(rng.random((n, 1, 7, 7), dtype=np.float32))
+    return torch.nn.functional.interpolate(coarse, size=(28, 28), mode="bilinear").numpy()
+
+
+def encode(array: np.ndarray, fmt: str = "PNG") -> bytes:
+    """``array`` as an encoded image file (PNG unless ``fmt`` says otherwise)."""
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def decompression_bomb() -> bytes:
+    """A 9 Mpx PNG of a few kB, over the services' ``max_pixels``."""
+    return encode(np.zeros((3000, 3000), np.uint8))
+
+
+def ico_image() -> bytes:
+    """A valid image in a format the service does not accept (ICO)."""
+    buffer = io.BytesIO()
+    Image.new("L", (16, 16)).save(buffer, "ICO")
+    return buffer.getvalue()
+
+
+def v2_request(shape: list[int], values: int) -> dict:
+    """httpx keyword arguments of a v2 JSON infer request: one FP32 'input' of ``values`` 0.5s."""
+    return {
+        "json": {
+            "inputs": [
+                {"name": "input", "shape": shape, "datatype": "FP32", "data": [0.5] * values}
+            ]
+        }
+    }
+
+
+# ---- the tiny real bundle -----------------------------------------------------------------------
+def build_service_bundle(tmp: Path) -> Path:
+    """network (2 blocks, seeded) + transport forest fitted on clean vs noised images + threshold,
+    written as a bundle under ``tmp``."""
+    from detector.bundle import write_bundle
+    from detector.calibration import Calibration, calibrate_threshold, empirical_fpr
+    from detector.features import extract_features
+    from detector.forest import TransportDetector
+    from detector.networks import load
+
+    config = NetworkConfig(
+        architecture="resnet9_mnist",
+        arguments={"width": 4, "depth": 2, "hidden": 8},
+        class_names=CLASSES,
+        input_spec=InputSpec(channels=1, height=28, width=28, mean=[0.2860], std=[0.3530]),
+    )
+    torch.manual_seed(0)
+    save(build_network(config).eval(), tmp / "network", config)
+    network = load(tmp / "network")
+    clean = synthetic_images(160, seed=1)
+    noisy = np.clip(clean + np.random.default_rng(2).normal(0, 0.25, clean.shape), 0, 1).astype(
+        np.float32
+    )
+    f_clean, l_clean = extract_features(network, clean)
+    f_noisy, l_noisy = extract_features(network, noisy)
+    fit, held = slice(0, 120), slice(120, None)
+    detector = TransportDetector(
+        n_estimators=10, max_depth=4, min_class_samples=5, random_state=0
+    ).fit(
+        np.concatenate([f_clean[fit], f_noisy[fit]]),
+        np.concatenate([np.zeros(120, bool), np.ones(120, bool)]),
+        np.concatenate([l_clean[fit].argmax(1), l_noisy[fit].argmax(1)]),
+    )
+    scores = detector.score(f_clean[held], l_clean[held].argmax(1))
+    threshold = calibrate_threshold(scores, 0.1)
+    calibration = Calibration(
+        threshold=threshold,
+        target_fpr=0.1,
+        achieved_fpr=empirical_fpr(scores, threshold),
+        n=len(scores),
+    )
+    return write_bundle(
+        tmp / "bundle",
+        network_dir=tmp / "network",
+        detector=detector,
+        calibration=calibration,
+        name="tiny",
+        version="7",
+        dataset="synthetic",
+        metrics={"test_accuracy": 0.1},
+    )
+
+
+# ---- reference answers --------------------------------------------------------------------------
+def expected(guard, blobs: list[bytes]):
+    """The in-process Guard's predictions for encoded images, decoded as the service does."""
+    return guard.predict_images([decode_image(b, max_pixels=LIMITS["max_pixels"]) for b in blobs])
+
+
+def assert_matches(
+    results: list[dict], reference, filenames: list[str | None] | None = None
+) -> None:
+    """The v1 ``results`` equal the in-process ``reference``, field by field."""
+    assert [r["index"] for r in results] == list(range(len(results)))
+    assert [r["label"] for r in results] == reference.labels.tolist()
+    assert [r["class_name"] for r in results] == [CLASSES[i] for i in reference.labels]
+    assert [r["flagged"] for r in results] == reference.flagged.tolist()
+    np.testing.assert_allclose([r["confidence"] for r in results], reference.confidences, atol=1e-5)
+    np.testing.assert_allclose([r["score"] for r in results], reference.scores, atol=1e-5)
+    assert all(r["threshold"] == pytest.approx(reference.threshold) for r in results)
+    if filenames is not None:
+        assert [r["filename"] for r in results] == filenames
+    assert all(set(r) == PREDICTION_KEYS for r in results)
+
+
+# ---- error answers ------------------------------------------------------------------------------
+def error_code(response: httpx.Response) -> str:
+    """The error code of an error answer: DESIGN's ``{"error": {"code", "message"}}``, or under
+    /v2 the Open Inference Protocol's ``{"error": "message", "code": ...}``."""
+    body = response.json()
+    if response.url.path.startswith("/v2"):
+        assert isinstance(body["error"], str), body
+        return body["code"]
+    return body["error"]["code"]
+
+
+def error_message(response: httpx.Response) -> str:
+    """The human-readable message of an error answer, in either shape."""
+    error = response.json()["error"]
+    return error if response.url.path.startswith("/v2") else error["message"]
+
+
+def client_error_has_www_authenticate(response: httpx.Response) -> bool:
+    return response.headers.get("www-authenticate", "").startswith("Bearer")

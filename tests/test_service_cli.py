@@ -1,0 +1,98 @@
+"""`lapguard serve` as a subprocess: a tampered bundle stops start-up naming the file; a served
+request is logged as JSON with its request id, and SIGTERM stops the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _serve(bundle: Path, *extra: str) -> subprocess.Popen:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("LAPGUARD_") or k == "LAPGUARD_DATA"
+    }
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "training.cli",
+            "serve",
+            "--bundle",
+            str(bundle),
+            "--device",
+            "cpu",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_tampered_bundle_stops_start_up_naming_the_file(service_bundle, tmp_path) -> None:
+    tampered = tmp_path / "bundle"
+    shutil.copytree(service_bundle, tampered)
+    data = bytearray((tampered / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (tampered / "model.safetensors").write_bytes(bytes(data))
+    process = _serve(tampered, "--port", "0")
+    try:
+        _, stderr = process.communicate(timeout=90)
+    finally:
+        process.kill()
+    assert process.returncode != 0
+    last = stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("lapguard serve: error:")
+        and "model.safetensors" in last
+        and "checksum" in last
+    )
+
+
+def test_serve_command_logs_json_with_request_ids_and_stops_on_sigterm(
+    service_bundle, images
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = _serve(
+        service_bundle, "--port", str(port), "--max-batch-size", "4", "--max-wait-ms", "1"
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        response = httpx.post(
+            url + "/v1/predict",
+            files={"files": ("a.png", images[0], "image/png")},
+            headers={"X-Request-ID": "cli-req-1"},
+        )
+        assert response.status_code == 200, response.text
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode in (0, -signal.SIGTERM)
+    records = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    request = [r for r in records if r.get("request_id") == "cli-req-1"]
+    assert request and request[0]["route"] == "/v1/predict" and request[0]["status"] == 200
+    assert request[0]["duration_ms"] > 0 and request[0]["level"] == "info"
+    assert any(r["message"] == "ready" for r in records)

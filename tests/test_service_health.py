@@ -1,0 +1,79 @@
+"""Operations routes and cross-cutting behaviour on a live server: model summary, health and
+readiness, request ids, Prometheus metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from service import healthcheck
+from tests.service_helpers import CLASSES, v2_request
+
+
+def test_model_summary_and_health(client, guard) -> None:
+    summary = client.get("/v1/model").json()
+    assert summary["name"] == "tiny" and summary["version"] == "7"
+    assert summary["class_names"] == CLASSES
+    assert summary["threshold"] == pytest.approx(guard.threshold)
+    assert summary["target_fpr"] == pytest.approx(0.1)
+    assert summary["input_spec"]["height"] == 28 and summary["ready"] is True
+    assert client.get("/healthz").json() == {"status": "ok", "ready": True}
+    assert client.get("/readyz").status_code == 200
+
+
+def test_request_id_is_echoed_or_generated(client) -> None:
+    assert (
+        client.get("/healthz", headers={"X-Request-ID": "abc-123"}).headers["x-request-id"]
+        == "abc-123"
+    )
+    generated = client.get("/healthz").headers["x-request-id"]
+    assert len(generated) == 32
+
+
+def test_not_ready_or_draining_answers_503_with_retry_after(client, server, images) -> None:
+    server.runtime.draining = True
+    try:
+        for response in (
+            client.get("/readyz"),
+            client.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")}),
+        ):
+            assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
+            assert int(response.headers["retry-after"]) >= 1
+        assert client.get("/healthz").json()["status"] == "draining"
+    finally:
+        server.runtime.draining = False
+    assert client.get("/readyz").status_code == 200
+
+
+def test_metrics_are_exposed(client, images) -> None:
+    client.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")})
+    assert (
+        client.post("/v2/models/tiny/infer", **v2_request([1, 1, 28, 28], 784)).status_code == 200
+    )
+    text = client.get("/metrics").text
+    assert 'lapguard_http_requests_total{method="POST",route="/v1/predict",status="200"}' in text
+    assert (
+        'lapguard_http_request_duration_seconds_bucket{le="0.005",method="POST",route="/v1/predict",status="200"}'
+        in text
+    )
+    assert 'route="/v2/models/{name}/infer"' in text
+    for name in (
+        "lapguard_batch_size_bucket",
+        "lapguard_queue_wait_seconds_bucket",
+        "lapguard_score_bucket",
+        "lapguard_images_total",
+        "lapguard_flagged_total",
+        "lapguard_ready 1.0",
+    ):
+        assert name in text
+
+
+def test_container_healthcheck_probes_the_port_of_the_settings(server, monkeypatch) -> None:
+    monkeypatch.setenv("LAPGUARD_PORT", str(server.port))
+    assert healthcheck.main(["/readyz"]) == 0 and healthcheck.main([]) == 0
+    assert healthcheck.main(["/nowhere"]) == 1
+    assert healthcheck.check("/healthz", port=server.port)
+    server.runtime.draining = True
+    try:
+        assert healthcheck.main(["/readyz"]) == 1
+    finally:
+        server.runtime.draining = False

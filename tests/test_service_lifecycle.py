@@ -1,0 +1,120 @@
+"""The server's lifecycle, each test on its own live server: a full queue answers 429, SIGTERM
+finishes in-flight requests, readiness waits for warm-up, health answers during a forward pass."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from service.settings import Settings
+from tests.live_server import LiveServer
+from tests.service_helpers import error_code
+
+
+def test_full_queue_answers_429_and_shutdown_finishes_in_flight_requests(
+    service_bundle, guard, images
+) -> None:
+    """A long max_wait keeps the first request's 4 images queued (the queue holds 4): the next
+    request is refused with 429; on SIGTERM a request still waiting for its batch is answered."""
+    settings = Settings(
+        bundle=service_bundle,
+        max_batch_size=64,
+        max_wait_ms=1000,
+        max_queue=4,
+        max_images_per_request=4,
+        warmup=False,
+    )
+    four = [("files", (f"{i}.png", images[i], "image/png")) for i in range(4)]
+    with (
+        LiveServer(settings, guard=guard) as live,
+        httpx.Client(base_url=live.url, timeout=30) as c,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        first = pool.submit(c.post, "/v1/predict", files=four)
+        time.sleep(0.3)
+        refused = c.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")})
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded"
+        assert int(refused.headers["retry-after"]) >= 1
+        assert first.result(timeout=30).status_code == 200
+        assert "lapguard_rejected_total" in c.get("/metrics").text
+
+        in_flight = pool.submit(c.post, "/v1/predict", files=four)
+        time.sleep(0.3)
+        live.server.handle_exit(signal.SIGTERM, None)
+        response = in_flight.result(timeout=30)
+        assert response.status_code == 200 and len(response.json()["results"]) == 4
+        live.thread.join(timeout=30)
+        assert not live.thread.is_alive()
+
+
+class SlowGuard:
+    """The real Guard with a slow forward (sleeps in the worker thread)."""
+
+    def __init__(self, guard, seconds: float) -> None:
+        self._guard, self._seconds = guard, seconds
+
+    def __getattr__(self, name: str):
+        return getattr(self._guard, name)
+
+    def predict(self, x):
+        time.sleep(self._seconds)
+        return self._guard.predict(x)
+
+
+class HeldWarmup(SlowGuard):
+    """The real Guard whose warm-up lasts until the test releases it (no race with the clock)."""
+
+    def __init__(self, guard) -> None:
+        super().__init__(guard, 0.0)
+        self.release = threading.Event()
+
+    def warmup(self, batch_sizes=(1, 8)) -> None:
+        self.release.wait(timeout=60)
+
+
+def test_not_ready_until_warmed_up(service_bundle, guard, images) -> None:
+    settings = Settings(bundle=service_bundle)
+    held = HeldWarmup(guard)
+    with (
+        LiveServer(settings, guard=held, wait_for="/healthz") as live,
+        httpx.Client(base_url=live.url, timeout=30) as c,
+    ):
+        assert c.get("/healthz").json() == {"status": "ok", "ready": False}
+        for response in (
+            c.get("/readyz"),
+            c.get("/v2/health/ready"),
+            c.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")}),
+        ):
+            assert response.status_code == 503 and error_code(response) == "not_ready"
+            assert int(response.headers["retry-after"]) >= 1
+        held.release.set()
+        deadline = time.monotonic() + 30
+        while c.get("/readyz").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (
+            c.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")}).status_code
+            == 200
+        )
+
+
+def test_health_and_metrics_answer_while_the_model_computes(service_bundle, guard, images) -> None:
+    settings = Settings(bundle=service_bundle, max_wait_ms=1, warmup=False)
+    with (
+        LiveServer(settings, guard=SlowGuard(guard, 3.0)) as live,
+        httpx.Client(base_url=live.url, timeout=30) as c,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        busy = pool.submit(
+            c.post, "/v1/predict", files={"files": ("a.png", images[0], "image/png")}
+        )
+        time.sleep(0.3)
+        for path in ("/healthz", "/metrics"):
+            start = time.perf_counter()
+            assert c.get(path).status_code == 200
+            assert time.perf_counter() - start < 1.0, f"{path} waited for the forward pass"
+        assert not busy.done()  # the forward pass (3 s) was still running
+        assert busy.result(timeout=30).status_code == 200
