@@ -20,7 +20,7 @@ from service.batch import (
     run_scoring,
     score_inputs,
 )
-from service.batch.http import HttpScorer, _drive, score_url
+from service.batch.http import HttpScorer, drive_results, score_url
 from service.settings import Settings
 from tests.live_server import LiveServer
 from tests.service_helpers import CLASSES, encode, synthetic_images
@@ -361,7 +361,10 @@ def _fake_server(script: Iterator[str | None]):
 def _score_with(transport, inputs, out: Path, retries: int):
     scorer = HttpScorer("http://test", retries=retries, backoff_s=0.001, transport=transport)
     return run_scoring(
-        inputs, out, lambda pending: _drive(scorer.results(pending, batch_size=10)), progress=False
+        inputs,
+        out,
+        lambda pending: drive_results(scorer.results(pending, batch_size=10)),
+        progress=False,
     )
 
 

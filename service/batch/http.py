@@ -83,7 +83,7 @@ def score_url(
             timeout=timeout,
             api_key=api_key,
         )
-        return _drive(client.results(pending, batch_size=batch_size))
+        return drive_results(client.results(pending, batch_size=batch_size))
 
     return run_scoring(inputs, out_path, engine, description=f"score {url}", **options)
 
@@ -349,7 +349,7 @@ def _retry_after(response: httpx.Response, cap: float) -> float | None:
 
 
 # ---- running an async generator from synchronous code -------------------------------------------
-def _drive(results: AsyncGenerator[list[Row], None]) -> Iterator[list[Row]]:
+def drive_results(results: AsyncGenerator[list[Row], None]) -> Iterator[list[Row]]:
     """Iterate ``results`` on a private event loop; closing the iterator (or an interruption)
     cancels whatever is still in flight."""
     loop = asyncio.new_event_loop()
