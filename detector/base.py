@@ -142,6 +142,11 @@ class Detector(BaseEstimator):
         ``samples.extra`` (none by default): computed once per image set, shared by every fit."""
         return {}
 
+    def precompute_keys(self) -> list[str]:
+        """The ``samples.extra`` keys :meth:`precompute` returns (none by default), so a cache of
+        them can be checked before anything is computed."""
+        return []
+
     def with_seed(self: Self, seed: int) -> Self:
         """An unfitted copy with ``random_state=seed`` (when it has one) that shares what
         ``prepare`` learned: one detector per seed of an experiment."""

@@ -363,6 +363,10 @@ class MahalanobisDetector(Detector):
         features = self.features_by_magnitude(model, images)
         return {mahalanobis_key(m): f for m, f in features.items()}
 
+    def precompute_keys(self) -> list[str]:
+        """One :func:`mahalanobis_key` per input pre-processing magnitude."""
+        return [mahalanobis_key(m) for m in self.magnitudes]
+
     def with_seed(self, seed: int) -> MahalanobisDetector:
         """An unfitted copy with ``random_state=seed`` sharing the clean statistics, if fitted."""
         if hasattr(self, "means_"):

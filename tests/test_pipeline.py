@@ -96,7 +96,8 @@ def test_rerun_is_a_noop_and_steps_work_alone(smoke_run, tmp_path, data_root, ca
     cached = [
         smoke_run / "models" / "lap" / "model.safetensors",
         smoke_run / "evaluation.json",
-        smoke_run / "detector" / "detector.json",
+        smoke_run / "detector" / "deployable.json",
+        smoke_run / "detector" / "detector.safetensors",
         *sorted((smoke_run / "attacks").rglob("*.npz")),
         *sorted((smoke_run / "features").rglob("*.npz")),
     ]
@@ -113,46 +114,71 @@ def test_rerun_is_a_noop_and_steps_work_alone(smoke_run, tmp_path, data_root, ca
     assert "not a pipeline run directory" in capsys.readouterr().err
 
 
-def test_served_bundle_flags_held_out_attacks_at_the_evaluated_rate(smoke_run, data_root) -> None:
-    """The real server, sent the held-out (B2) FGM images of the smoke run as FP32 tensors through
-    the v2 route, flags them at exactly the rate the pipeline measured for the shipped detector."""
+def _held_out_fgm(smoke_run: Path, info: dict, data_root: Path) -> np.ndarray:
+    """The held-out (B2) FGM images of the smoke run's deploy network, rebuilt from its store."""
+    from training.adversarial import attack_images, get_or_generate
+    from training.experiments import Split
+
+    model_dir = smoke_run / "models" / info["network"]
+    x, y, indices = attack_images(model_dir, n=600, root=data_root)
+    attacked = get_or_generate(
+        smoke_run / "attacks" / info["network"],
+        model_dir,
+        x,
+        y,
+        indices,
+        "fgm",
+        {"eps": 0.1},
+        progress=False,
+    )
+    split = Split(info["split_seed"], info["test_fraction"], int(indices.max()) + 1)
+    return attacked.x_adv[split.is_test[attacked.indices]]
+
+
+def _served_scores(bundle: Path, name: str, images: np.ndarray) -> np.ndarray:
+    """Scores from a live server, sent ``images`` as FP32 tensors through the v2 route."""
     import httpx
 
     from service.settings import Settings
     from tests.live_server import LiveServer
-    from training.adversarial import attack_images, get_or_generate
-    from training.experiments import Split
 
-    info = json.loads((smoke_run / "detector" / "detector.json").read_text())
-    manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
-    expected = manifest["metrics"]["heldout_flag_rate_fgm-eps0.1"]
-    assert expected == info["heldout"]["flag_rate"]["fgm-eps0.1"] > 4 * info["heldout"]["fpr"]
-    model_dir = smoke_run / "models" / "lap"
-    x, y, indices = attack_images(model_dir, n=600, root=data_root)
-    attacked = get_or_generate(
-        smoke_run / "attacks" / "lap", model_dir, x, y, indices, "fgm", {"eps": 0.1}, progress=False
-    )
-    split = Split(info["split_seed"], info["test_fraction"], int(indices.max()) + 1)
-    held_out = attacked.x_adv[split.is_test[attacked.indices]]
-    assert len(held_out) == info["heldout"]["n"]["fgm-eps0.1"]
-    flagged: list[bool] = []
-    with LiveServer(Settings(bundle=smoke_run / "bundle", device="cpu")) as live:
-        for start in range(0, len(held_out), live.settings.max_images_per_request):
-            chunk = held_out[start : start + live.settings.max_images_per_request]
-            request = {
-                "inputs": [
-                    {
-                        "name": "input",
-                        "shape": list(chunk.shape),
-                        "datatype": "FP32",
-                        "data": chunk.reshape(-1).tolist(),
-                    }
-                ]
-            }
-            response = httpx.post(
-                f"{live.url}/v2/models/{manifest['name']}/infer", json=request, timeout=120
-            )
+    scores: list[float] = []
+    with LiveServer(Settings(bundle=bundle, device="cpu")) as live:
+        step = live.settings.max_images_per_request
+        for start in range(0, len(images), step):
+            chunk = images[start : start + step]
+            tensor = {"name": "input", "shape": list(chunk.shape), "datatype": "FP32"}
+            request = {"inputs": [{**tensor, "data": chunk.reshape(-1).tolist()}]}
+            response = httpx.post(f"{live.url}/v2/models/{name}/infer", json=request, timeout=120)
             assert response.status_code == 200, response.text
-            flagged += next(o for o in response.json()["outputs"] if o["name"] == "flagged")["data"]
-    assert len(flagged) == len(held_out)
-    assert np.mean(flagged) == pytest.approx(expected, abs=1.5 / len(held_out))
+            scores += next(o for o in response.json()["outputs"] if o["name"] == "score")["data"]
+    return np.asarray(scores, dtype=np.float32)
+
+
+def test_evaluation_score_command_and_server_give_identical_scores(
+    smoke_run, data_root, tmp_path
+) -> None:
+    """One scoring path: the shipped detector's held-out FGM scores recorded by the pipeline, the
+    scores `lapguard score` writes for the same images, and those the real server answers are
+    the same numbers (not close), so the flag rate a deployment sees is the one measured."""
+    info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
+    manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
+    with np.load(smoke_run / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
+        evaluated = saved["fgm-eps0.1"]
+    rate = manifest["metrics"]["heldout_flag_rate_fgm-eps0.1"]
+    assert rate == info["heldout"]["flag_rate"]["fgm-eps0.1"] > 4 * info["heldout"]["fpr"]
+    assert rate == np.mean(evaluated > manifest["threshold"])
+    held_out = _held_out_fgm(smoke_run, info, data_root)
+    assert len(held_out) == len(evaluated) == info["heldout"]["n"]["fgm-eps0.1"]
+
+    np.save(tmp_path / "held_out.npy", held_out)
+    out = tmp_path / "scores.jsonl"
+    argv = ["score", "--bundle", str(smoke_run / "bundle"), str(tmp_path / "held_out.npy")]
+    assert cli_main([*argv, "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    rows = sorted(
+        (json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["index"]
+    )
+    np.testing.assert_array_equal(np.asarray([r["score"] for r in rows], np.float32), evaluated)
+
+    served = _served_scores(smoke_run / "bundle", manifest["name"], held_out)
+    np.testing.assert_array_equal(served, evaluated)

@@ -216,12 +216,10 @@ def _run_pipeline(args: argparse.Namespace) -> int:
 
 
 def detector_choices() -> list[str]:
-    """The names ``lapguard fit --detector`` offers: the detectors a pipeline config accepts."""
-    from typing import get_args
+    """The names ``lapguard fit --detector`` offers: the registered detectors that can ship."""
+    from training.deployable import deployable_detectors
 
-    from training.presets.pipelines import DetectorName
-
-    return list(get_args(DetectorName))
+    return deployable_detectors()
 
 
 def _add_run_step(
@@ -254,11 +252,9 @@ def _add_steps(sub: argparse._SubParsersAction) -> None:
 def _run_fit(args: argparse.Namespace) -> int:
     from training.steps import fit_run
 
-    if args.detector != "transport":
-        raise UsageError(
-            f"{args.detector} is evaluated by `lapguard evaluate`; the deployable detector is transport"
-        )
-    calibration = fit_run(args.run, root=args.root, progress=not args.no_progress)
+    calibration = fit_run(
+        args.run, detector=args.detector, root=args.root, progress=not args.no_progress
+    )
     print(json.dumps(calibration, indent=2))
     return 0
 
@@ -279,7 +275,7 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _run_bundle(args: argparse.Namespace) -> int:
-    from training.pipeline import write_run_bundle
+    from training.deployable import write_run_bundle
 
     print(write_run_bundle(args.run, args.out))
     return 0

@@ -10,6 +10,7 @@ from PIL import Image
 from detector.guard import Guard
 from training import adversarial
 from training.presets.pipelines import PipelineConfig
+from training.rundir import RunDir
 
 CANDIDATES = 200
 
@@ -30,7 +31,7 @@ def write_demo_samples(
 ) -> dict[str, Path]:
     """``clean.png``: a correctly classified test image the bundle does not flag; ``adversarial.png``:
     its attacked copy (8-bit, as a client sends it) that fools the network and is flagged."""
-    model_dir = run / "models" / config.deploy_model
+    model_dir = RunDir(run).model(config.deploy_model)
     key = (config.deploy_attacks or [a.key for a in config.attacks])[0]
     spec = next(a for a in config.attacks if a.key == key)
     x, y, indices = adversarial.attack_images(model_dir, n=spec.n, root=root)

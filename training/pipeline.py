@@ -1,186 +1,54 @@
 """The offline pipeline: train -> attack -> features -> detection protocols -> deployable
-detector -> report -> bundle. Every step is cached in the run directory and resumable; re-running
-a finished step is a no-op.
+detector -> report -> bundle. Every step is cached in the run directory (layout:
+:mod:`training.rundir`) and resumable; re-running a finished step is a no-op.
 
-Run directory::
-
-    pipeline_config.json
-    models/<name>/              trained networks (training/trainer.py)
-    attacks/<name>/...          adversarial sets (training/adversarial.py)
-    features/<name>/<set>.npz   transport features + logits of clean, attacked and OOD sets
-    scores/...                  first-seed detection scores (ROC curves)
-    evaluation.json             protocol results (written when the evaluation finishes)
-    detector/                   the deployable detector and its calibration
-    results.json, report.md, figures/
-    bundle/                     what `lapguard serve` loads
+Data flows one way: a :class:`PipelineRun` loads each network, its test images, its attack sets
+and its sample sets (images + transport features + predictions) once, and every step reads them
+from there.
 """
 
 from __future__ import annotations
 
-import json
-import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from detector import networks
+from detector import artefacts, networks
 from detector.errors import ArtefactError, ConfigError
 from detector.features import TransportFeatureExtractor, extract_features
-from detector.forest import TransportDetector
+from detector.registry import get_detector
 from training import adversarial
-from training.data import load_ood
-from training.experiments import Samples, Split, concat, run_protocols, save_first_scores
+from training.data import load_dataset, load_ood, to_arrays
+from training.experiments import Samples, run_protocols, save_first_scores
 from training.presets import get_train_preset
 from training.presets.pipelines import PipelineConfig
+from training.rundir import RunDir
 from training.trainer import train
 
-CONFIG_FILE = "pipeline_config.json"
-EVALUATION_FILE = "evaluation.json"
-RESULTS_FILE = "results.json"
-DETECTOR_DIR = "detector"
-BUNDLE_DIR = "bundle"
 
-
-def read_pipeline_config(run: Path) -> PipelineConfig:
-    path = run / CONFIG_FILE
+def read_pipeline_config(run: str | Path) -> PipelineConfig:
+    """The config saved in a run directory (ArtefactError when it is not one)."""
+    path = RunDir(run).config_file
     if not path.is_file():
         raise ArtefactError(
-            f"{run} is not a pipeline run directory (no {CONFIG_FILE}); run `lapguard pipeline` first"
+            f"{run} is not a pipeline run directory (no {path.name}); run `lapguard pipeline` first"
         )
     return PipelineConfig.model_validate_json(path.read_text())
 
 
-def init_run(config: PipelineConfig, run: Path) -> None:
+def init_run(config: PipelineConfig, run: str | Path) -> None:
     """Write the config, or check that the run directory was made with the same one."""
-    run.mkdir(parents=True, exist_ok=True)
-    path = run / CONFIG_FILE
+    path = RunDir(run).config_file
     if path.is_file():
         saved = PipelineConfig.model_validate_json(path.read_text())
         if saved.model_dump(exclude={"device"}) != config.model_dump(exclude={"device"}):
             raise ConfigError(f"{run} holds a run of another pipeline config; choose a new --out")
     else:
-        path.write_text(config.model_dump_json(indent=2))
-
-
-# ---- steps -------------------------------------------------------------------------------------
-def train_models(
-    config: PipelineConfig, run: Path, *, root: Path | None = None, progress: bool = True
-) -> None:
-    for name, preset in config.models.items():
-        train_config = get_train_preset(preset)
-        train_config = train_config.model_copy(update={"device": config.device})
-        train(train_config, run / "models" / name, root=root, progress=progress)
-
-
-def _test_images(
-    model_dir: Path, n: int, root: Path | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return adversarial.attack_images(model_dir, split="test", n=n, seed=0, root=root)
-
-
-def generate_attacks(
-    config: PipelineConfig, run: Path, *, root: Path | None = None, progress: bool = True
-) -> dict[str, dict[str, adversarial.AdversarialSet]]:
-    """Every configured attack on every network (cached: a finished set is loaded)."""
-    n_max = max(a.n for a in config.attacks)
-    sets: dict[str, dict[str, adversarial.AdversarialSet]] = {}
-    for name in config.models:
-        model_dir = run / "models" / name
-        x, y, indices = _test_images(model_dir, n_max, root)
-        model = networks.load(model_dir, device=networks.resolve_device(config.device))
-        sets[name] = {}
-        for spec in config.attacks:
-            sets[name][spec.key] = adversarial.get_or_generate(
-                run / "attacks" / name,
-                model,
-                x[: spec.n],
-                y[: spec.n],
-                indices[: spec.n],
-                spec.attack,
-                spec.params,
-                seed=0,
-                device=config.device,
-                progress=progress,
-            )
-    return sets
-
-
-def _cached_features(
-    path: Path, source: str, model: torch.nn.Module, images: np.ndarray, device: str
-) -> tuple[np.ndarray, np.ndarray, list[str], float]:
-    """Transport features and logits of ``images``, cached in ``path`` under the ``source`` key."""
-    if path.is_file():
-        with np.load(path, allow_pickle=False) as cached:
-            if str(cached["source"]) == source and len(cached["features"]) == len(images):
-                return (
-                    cached["features"],
-                    cached["logits"],
-                    [str(n) for n in cached["feature_names"]],
-                    float(cached["seconds"]),
-                )
-    started = time.perf_counter()
-    features, logits = extract_features(model, images, device=device)
-    seconds = time.perf_counter() - started
-    names = TransportFeatureExtractor(model).feature_names
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(
-        tmp,
-        features=features,
-        logits=logits,
-        feature_names=np.array(names),
-        source=np.array(source),
-        seconds=np.array(seconds),
-    )
-    tmp.replace(path)
-    return features, logits, names, seconds
-
-
-def collect_samples(
-    config: PipelineConfig,
-    run: Path,
-    name: str,
-    sets: dict[str, adversarial.AdversarialSet],
-    *,
-    root: Path | None = None,
-) -> tuple[Samples, dict[str, Samples], dict[str, Samples], dict[str, float], torch.nn.Module]:
-    """Clean, attacked and OOD samples of network ``name`` with their (cached) transport features."""
-    model_dir = run / "models" / name
-    device = str(networks.resolve_device(config.device))
-    model = networks.load(model_dir, device=device)
-    n_max = max(a.n for a in config.attacks)
-    x, y, indices = _test_images(model_dir, n_max, root)
-    feature_dir = run / "features" / name
-    f, logits, _, seconds = _cached_features(
-        feature_dir / "clean.npz", f"clean-{n_max}", model, x, device
-    )
-    clean = Samples("clean", x, f, logits.argmax(1), indices)
-    timing = {"clean_images": float(len(x)), "transport_seconds": seconds}
-    attacks: dict[str, Samples] = {}
-    for key, adv in sets.items():
-        f, logits, _, _ = _cached_features(
-            feature_dir / f"{key}.npz", adv.manifest["key"], model, adv.x_adv, device
-        )
-        samples = Samples(key, adv.x_adv, f, logits.argmax(1), adv.indices, adv.success)
-        attacks[key] = samples.take(perturbed(adv))
-    ood: dict[str, Samples] = {}
-    spec = model.config.input_spec  # type: ignore[union-attr]
-    for ood_name in config.ood_test:
-        images = load_ood(ood_name, spec, config.ood_n, seed=0, root=root)
-        f, logits, _, _ = _cached_features(
-            feature_dir / f"ood-{ood_name}.npz",
-            f"ood-{ood_name}-{config.ood_n}",
-            model,
-            images,
-            device,
-        )
-        ood[ood_name] = Samples(
-            f"ood-{ood_name}", images, f, logits.argmax(1), np.arange(len(images))
-        )
-    return clean, attacks, ood, timing, model
+        artefacts.write_text(path, config.model_dump_json(indent=2))
 
 
 def perturbed(adv: adversarial.AdversarialSet) -> np.ndarray:
@@ -192,329 +60,255 @@ def perturbed(adv: adversarial.AdversarialSet) -> np.ndarray:
     return np.asarray(adv.linf) > 0
 
 
-def _noisy_copies(clean: Samples, model: torch.nn.Module, eps: float, device: str) -> Samples:
+@dataclass
+class NetworkSamples:
+    """One network's sample sets with their transport features (attacks: perturbed rows only)."""
+
+    clean: Samples
+    attacks: dict[str, Samples]
+    ood: dict[str, Samples]
+    timing: dict[str, float]
+
+
+class PipelineRun:
+    """A run directory under its config. Loads each network, its test images, its attack sets
+    and its sample sets at most once, on first use, and hands them to every step."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        run: str | Path,
+        *,
+        root: Path | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.config = config
+        self.dir = RunDir(run)
+        self.root = root
+        self.progress = progress
+        self.device = str(networks.resolve_device(config.device))
+        self._models: dict[str, torch.nn.Module] = {}
+        self._images: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._sets: dict[str, dict[str, adversarial.AdversarialSet]] = {}
+        self._samples: dict[str, NetworkSamples] = {}
+
+    @classmethod
+    def open(
+        cls, run: str | Path, *, root: Path | None = None, progress: bool = True
+    ) -> PipelineRun:
+        """An existing run directory with the config saved in it."""
+        return cls(read_pipeline_config(run), run, root=root, progress=progress)
+
+    def model(self, name: str) -> torch.nn.Module:
+        """The trained network ``name`` (eval mode, on the run's device)."""
+        if name not in self._models:
+            self._models[name] = networks.load(self.dir.model(name), device=self.device)
+        return self._models[name]
+
+    def test_images(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(images, labels, source indices) of the test images every attack of ``name`` uses."""
+        if name not in self._images:
+            n_max = max(a.n for a in self.config.attacks)
+            self._images[name] = adversarial.attack_images(
+                self.dir.model(name), split="test", n=n_max, seed=0, root=self.root
+            )
+        return self._images[name]
+
+    def attack_sets(self, name: str) -> dict[str, adversarial.AdversarialSet]:
+        """Every configured attack on network ``name`` (generated once, then loaded)."""
+        if name not in self._sets:
+            x, y, indices = self.test_images(name)
+            self._sets[name] = {
+                spec.key: adversarial.get_or_generate(
+                    self.dir.attacks(name),
+                    self.model(name),
+                    x[: spec.n],
+                    y[: spec.n],
+                    indices[: spec.n],
+                    spec.attack,
+                    spec.params,
+                    seed=0,
+                    device=self.config.device,
+                    progress=self.progress,
+                )
+                for spec in self.config.attacks
+            }
+        return self._sets[name]
+
+    def samples(self, name: str) -> NetworkSamples:
+        """Clean, attacked and OOD samples of network ``name`` with their (cached) features."""
+        if name not in self._samples:
+            self._samples[name] = self._collect(name)
+        return self._samples[name]
+
+    def _collect(self, name: str) -> NetworkSamples:
+        x, _, indices = self.test_images(name)
+        f, predicted, seconds = self._features(name, "clean", f"clean-{len(x)}", x)
+        clean = Samples("clean", x, f, predicted, indices)
+        attacks: dict[str, Samples] = {}
+        for key, adv in self.attack_sets(name).items():
+            f, predicted, _ = self._features(name, key, adv.manifest["key"], adv.x_adv)
+            samples = Samples(key, adv.x_adv, f, predicted, adv.indices, adv.success)
+            attacks[key] = samples.take(perturbed(adv))
+        ood: dict[str, Samples] = {}
+        spec = self.model(name).config.input_spec  # type: ignore[union-attr]
+        for ood_name in self.config.ood_test:
+            n = self.config.ood_n
+            images = load_ood(ood_name, spec, n, seed=0, root=self.root)
+            f, predicted, _ = self._features(name, f"ood-{ood_name}", f"ood-{ood_name}-{n}", images)
+            ood[ood_name] = Samples(f"ood-{ood_name}", images, f, predicted, np.arange(len(images)))
+        timing = {"clean_images": float(len(x)), "transport_seconds": seconds}
+        return NetworkSamples(clean, attacks, ood, timing)
+
+    def _features(
+        self, name: str, set_name: str, source: str, images: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, float]:
+        """(features, predicted labels, seconds) of ``images``, cached under the ``source`` key."""
+        path = self.dir.features(name, set_name)
+        if path.is_file():
+            cached = artefacts.load_npz(path)
+            if str(cached["source"]) == source and len(cached["features"]) == len(images):
+                return cached["features"], cached["logits"].argmax(1), float(cached["seconds"])
+        model = self.model(name)
+        started = time.perf_counter()
+        features, logits = extract_features(model, images, device=self.device)
+        seconds = time.perf_counter() - started
+        artefacts.save_npz(
+            path,
+            features=features,
+            logits=logits,
+            feature_names=np.array(TransportFeatureExtractor(model).feature_names),
+            source=np.array(source),
+            seconds=np.array(seconds),
+        )
+        return features, logits.argmax(1), seconds
+
+
+# ---- steps -------------------------------------------------------------------------------------
+def train_models(run: PipelineRun) -> None:
+    """Train (or resume, or find finished) every network of the config."""
+    for name, preset in run.config.models.items():
+        train_config = get_train_preset(preset).model_copy(update={"device": run.config.device})
+        train(train_config, run.dir.model(name), root=run.root, progress=run.progress)
+
+
+def evaluate(run: PipelineRun) -> dict[str, Any]:
+    """The detection protocols on every network; writes evaluation.json and first-seed scores."""
+    path = run.dir.evaluation_file
+    if path.is_file():
+        return dict(artefacts.read_json(path, what="evaluation"))
+    detection: list[dict[str, Any]] = []
+    ood_rows: list[dict[str, Any]] = []
+    timing: dict[str, Any] = {}
+    for name in run.config.models:
+        data = run.samples(name)
+        detectors = _protocol_detectors(run, name, data)
+        records = run_protocols(
+            model=name,
+            clean=data.clean,
+            attacks=data.attacks,
+            ood_sets=data.ood,
+            detectors=detectors,
+            seen=run.config.seen_keys,
+            unseen_train=run.config.unseen_train,
+            ood_train=run.config.ood_train,
+            seeds=list(range(run.config.seeds)),
+            test_fraction=run.config.test_fraction,
+            target_fpr=run.config.target_fpr,
+            noisy_copies=_noisy_copies(run, name) if run.config.noisy_copies else None,
+            progress=run.progress,
+        )
+        save_first_scores(records, run.dir.scores)
+        for record in records:
+            (ood_rows if record.setting == "ood" else detection).append(record.row())
+        network_reader = next((d for d in detectors if d.info.reads == "network"), None)
+        timing[name] = data.timing | _feature_timing(run, name, network_reader)
+    result = {"detection": detection, "ood": ood_rows, "timing": timing}
+    artefacts.write_json(path, result)
+    return result
+
+
+def _protocol_detectors(run: PipelineRun, name: str, data: NetworkSamples) -> list[Any]:
+    """The config's detectors from the registry; those that read the network learn their clean
+    statistics once and add their per-image arrays (cached on disk) to every sample set."""
+    params: dict[str, dict[str, Any]] = {
+        "transport": {"n_jobs": -1},
+        "mahalanobis": {"magnitudes": tuple(run.config.mahalanobis_magnitudes), "n_jobs": -1},
+    }
+    detectors = [get_detector(d, **params.get(d, {})) for d in run.config.detectors]
+    for detector in detectors:
+        if detector.info.reads != "network":
+            continue
+        clean_x, clean_y = to_arrays(
+            load_dataset(run.config.dataset, "train", root=run.root),
+            run.config.mahalanobis_clean_n,
+            seed=1,
+        )
+        detector.prepare(run.model(name), clean_x, clean_y)
+        for samples in (data.clean, *data.attacks.values(), *data.ood.values()):
+            _add_precomputed(run, name, detector, samples)
+    return detectors
+
+
+def _add_precomputed(run: PipelineRun, name: str, detector: Any, samples: Samples) -> None:
+    """A network-reading detector's per-row arrays of a sample set, computed once and cached."""
+    path = run.dir.mahalanobis_features(name, samples.name)
+    keys = detector.precompute_keys()
+    if path.is_file():
+        cached = artefacts.load_npz(path)
+        if all(k in cached for k in keys) and len(cached[keys[0]]) == len(samples):
+            samples.extra.update({k: cached[k] for k in keys})
+            return
+    samples.extra.update(detector.precompute(run.model(name), samples.images))
+    artefacts.save_npz(path, **{k: samples.extra[k] for k in keys})
+
+
+def _noisy_copies(run: PipelineRun, name: str, eps: float = 0.1) -> Samples:
+    clean = run.samples(name).clean
     rng = np.random.default_rng(0)
     images = np.clip(
         clean.images + rng.uniform(-eps, eps, clean.images.shape).astype(np.float32), 0, 1
     )
-    features, logits = extract_features(model, images, device=device)
+    features, logits = extract_features(run.model(name), images, device=run.device)
     return Samples("noise", images, features, logits.argmax(1), clean.indices)
 
 
-def evaluate(
-    config: PipelineConfig, run: Path, *, root: Path | None = None, progress: bool = True
-) -> dict[str, Any]:
-    """Run the detection protocols on every network; writes evaluation.json and first-seed scores."""
-    from detector.registry import get_detector
-    from training.data import load_dataset, to_arrays
-
-    path = run / EVALUATION_FILE
-    if path.is_file():
-        return json.loads(path.read_text())
-    sets = generate_attacks(config, run, root=root, progress=progress)
-    detection: list[dict[str, Any]] = []
-    ood_rows: list[dict[str, Any]] = []
-    timing: dict[str, Any] = {}
-    for name in config.models:
-        clean, attacks, ood, model_timing, model = collect_samples(
-            config, run, name, sets[name], root=root
-        )
-        statistics = None
-        params: dict[str, dict[str, Any]] = {
-            "transport": {"n_jobs": -1},
-            "mahalanobis": {"magnitudes": tuple(config.mahalanobis_magnitudes), "n_jobs": -1},
-        }
-        detectors = [get_detector(d, **params.get(d, {})) for d in config.detectors]
-        for detector in detectors:
-            if detector.info.reads != "network":
-                continue
-            # Statistics from clean training images (shared by every fit), then per-image-set
-            # arrays computed once and cached on disk.
-            clean_x, clean_y = to_arrays(
-                load_dataset(config.dataset, "train", root=root), config.mahalanobis_clean_n, seed=1
-            )
-            statistics = detector.prepare(model, clean_x, clean_y)
-            for samples in (clean, *attacks.values(), *ood.values()):
-                _add_mahalanobis_features(
-                    run / "features" / name / detector.info.name / f"{samples.name}.npz",
-                    statistics,
-                    model,
-                    samples,
-                )
-        noisy = (
-            _noisy_copies(clean, model, 0.1, str(networks.resolve_device(config.device)))
-            if config.noisy_copies
-            else None
-        )
-        records = run_protocols(
-            model=name,
-            clean=clean,
-            attacks=attacks,
-            ood_sets=ood,
-            detectors=detectors,
-            seen=config.seen_keys,
-            unseen_train=config.unseen_train,
-            ood_train=config.ood_train,
-            seeds=list(range(config.seeds)),
-            test_fraction=config.test_fraction,
-            target_fpr=config.target_fpr,
-            noisy_copies=noisy,
-            progress=progress,
-        )
-        save_first_scores(records, run / "scores")
-        for record in records:
-            (ood_rows if record.setting == "ood" else detection).append(record.row())
-        timing[name] = model_timing | _feature_timing(config, model, clean, statistics)
-    result = {"detection": detection, "ood": ood_rows, "timing": timing}
-    path.write_text(json.dumps(result, indent=2))
-    return result
-
-
-def _add_mahalanobis_features(
-    path: Path, statistics: Any, model: torch.nn.Module, samples: Samples
-) -> None:
-    """Per-magnitude Mahalanobis features of a sample set, computed once and cached on disk."""
-    from detector.mahalanobis import mahalanobis_key
-
-    keys = [mahalanobis_key(m) for m in statistics.magnitudes]
-    if path.is_file():
-        with np.load(path, allow_pickle=False) as cached:
-            if all(k in cached for k in keys) and len(cached[keys[0]]) == len(samples):
-                samples.extra.update({k: cached[k] for k in keys})
-                return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    samples.extra.update(statistics.precompute(model, samples.images))
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, **{k: samples.extra[k] for k in keys})
-    tmp.replace(path)
-
-
 def _feature_timing(
-    config: PipelineConfig, model: torch.nn.Module, clean: Samples, statistics: Any, n: int = 1000
+    run: PipelineRun, name: str, network_reader: Any, n: int = 1000
 ) -> dict[str, float]:
     """Transport vs Mahalanobis feature-extraction time on the same images (seed §5.4.6)."""
-    images = clean.images[:n]
-    device = str(networks.resolve_device(config.device))
+    model, images = run.model(name), run.samples(name).clean.images[:n]
     started = time.perf_counter()
-    extract_features(model, images, device=device)
+    extract_features(model, images, device=run.device)
     timings = {
         "timing_images": float(len(images)),
         "transport_feature_seconds": time.perf_counter() - started,
     }
-    if statistics is not None:
+    if network_reader is not None:
         from detector.mahalanobis import mahalanobis_features
 
         started = time.perf_counter()
-        mahalanobis_features(model, images, statistics, magnitude=0.001)
+        mahalanobis_features(model, images, network_reader, magnitude=0.001)
         timings["mahalanobis_feature_seconds"] = time.perf_counter() - started
     return timings
 
 
-def fit_deployable(
-    config: PipelineConfig, run: Path, *, root: Path | None = None, progress: bool = True
-) -> Path:
-    """The detector that ships: class-conditional transport forests on the deploy network, trained
-    on the training side (seed 0 split) of the chosen attacks, calibrated on held-out clean data."""
-    from detector.calibration import Calibration
-
-    out = run / DETECTOR_DIR
-    if (out / "detector.json").is_file():
-        return out
-    sets = generate_attacks(config, run, root=root, progress=progress)
-    name = config.deploy_model
-    clean, attacks, _, _, _ = collect_samples(config, run, name, sets[name], root=root)
-    keys = config.deploy_attacks or list(attacks)
-    split = Split(0, config.test_fraction, int(clean.indices.max()) + 1)
-    abnormal = concat([split.train(attacks[k]) for k in keys])
-    train_clean = split.train(clean)
-    detector = TransportDetector(random_state=0, n_jobs=-1).fit(
-        np.concatenate([train_clean.features, abnormal.features]),
-        np.concatenate([np.zeros(len(train_clean), bool), np.ones(len(abnormal), bool)]),
-        np.concatenate([train_clean.predicted, abnormal.predicted]),
-    )
-    held_out = split.calibration(clean)
-    calibration = Calibration.from_scores(
-        detector.score(held_out.features, held_out.predicted), config.target_fpr
-    )
-    # What the shipped detector does on the test side it never saw (seed-0 B2): the flag rates a
-    # deployment should reproduce, at the calibrated threshold.
-    test_clean = split.test(clean)
-    heldout = {
-        "fpr": float(
-            (
-                detector.score(test_clean.features, test_clean.predicted) > calibration.threshold
-            ).mean()
-        ),
-        "n_clean": len(test_clean),
-        "flag_rate": {},
-        "n": {},
-    }
-    for key in keys:
-        test_attack = split.test(attacks[key])
-        heldout["flag_rate"][key] = float(
-            (
-                detector.score(test_attack.features, test_attack.predicted) > calibration.threshold
-            ).mean()
-        )
-        heldout["n"][key] = len(test_attack)
-    arrays, params = detector.to_arrays()
-    out.mkdir(parents=True, exist_ok=True)
-    from safetensors.numpy import save_file
-
-    save_file(
-        {k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(out / "detector.safetensors")
-    )
-    (out / "detector.json").write_text(
-        json.dumps(
-            {
-                "kind": "transport",
-                "network": name,
-                "train_attacks": keys,
-                "params": params,
-                "calibration": calibration.to_dict(),
-                "heldout": heldout,
-                "split_seed": 0,
-                "test_fraction": config.test_fraction,
-            },
-            indent=2,
-        )
-    )
-    return out
-
-
-def write_results(
-    config: PipelineConfig, run: Path, sets: dict[str, dict[str, adversarial.AdversarialSet]]
-) -> dict[str, Any]:
-    """results.json exactly as DESIGN.md §5, from the run directory's finished steps."""
-    evaluation = json.loads((run / EVALUATION_FILE).read_text())
-    models = {}
-    for name in config.models:
-        lines = [
-            json.loads(line)
-            for line in (run / "models" / name / "metrics.jsonl").read_text().splitlines()
-            if line.strip()
-        ]
-        models[name] = {
-            "test_accuracy": lines[-1]["test_accuracy"],
-            "epochs": lines[-1]["epoch"],
-            "train_seconds": float(sum(r["epoch_seconds"] for r in lines)),
-            "transport_cost": lines[-1]["test_transport"],
-        }
-    attacks: dict[str, dict[str, Any]] = {}
-    for name in config.models:
-        attacks[name] = {}
-        for spec in config.attacks:
-            found = sets[name][spec.key]
-            summary = found.summary()
-            attacks[name][spec.key] = {
-                "n": int(summary["n"]),
-                "unperturbed": int(np.count_nonzero(~perturbed(found))),
-                "success_rate": summary["success_rate"],
-                "success_rate_on_correct": summary["success_rate_on_correct"],
-                "seconds": float(found.manifest.get("wall_seconds", 0.0)),
-                "seconds_per_image": summary["seconds_per_image"],
-                "median_l2": summary["median_l2"],
-                "median_linf": summary["median_linf"],
-                **spec.params,
-            }
-    timing = evaluation["timing"]
-    deploy_timing = timing.get(config.deploy_model, {})
-    results = {
-        "preset": config.name,
-        "dataset": config.dataset,
-        "models": models,
-        "attacks": attacks,
-        "detection": evaluation["detection"],
-        "ood": evaluation["ood"],
-        "timing": {
-            "feature_extraction_seconds": {
-                "transport": deploy_timing.get("transport_feature_seconds"),
-                **(
-                    {"mahalanobis": deploy_timing["mahalanobis_feature_seconds"]}
-                    if "mahalanobis_feature_seconds" in deploy_timing
-                    else {}
-                ),
-            },
-            "images": deploy_timing.get("timing_images"),
-            "per_model": timing,
-        },
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "threads": torch.get_num_threads(),
-        },
-    }
-    (run / RESULTS_FILE).write_text(json.dumps(results, indent=2))
-    return results
-
-
-def load_deployable(run: Path) -> tuple[TransportDetector, Any, dict[str, Any]]:
-    """The detector written by :func:`fit_deployable`, its calibration and its description."""
-    from safetensors.numpy import load_file
-
-    from detector.calibration import Calibration
-
-    directory = run / DETECTOR_DIR
-    if not (directory / "detector.json").is_file():
-        raise ArtefactError(
-            f"no fitted detector in {directory}; run `lapguard fit --run {run}` first"
-        )
-    info = json.loads((directory / "detector.json").read_text())
-    detector = TransportDetector.from_arrays(
-        load_file(str(directory / "detector.safetensors")), info["params"]
-    )
-    calibration = Calibration.from_dict(info["calibration"])
-    return detector, calibration, info
-
-
-def write_run_bundle(run: Path, out: Path | None = None) -> Path:
-    """The deployable bundle of a finished run (default RUN/bundle)."""
-    from detector.bundle import write_bundle
-
-    config = read_pipeline_config(run)
-    detector, calibration, info = load_deployable(run)
-    metrics: dict[str, float] = {"heldout_fpr": info["heldout"]["fpr"]}
-    metrics.update(
-        {f"heldout_flag_rate_{key}": rate for key, rate in info["heldout"]["flag_rate"].items()}
-    )
-    results_path = run / RESULTS_FILE
-    if results_path.is_file():
-        results = json.loads(results_path.read_text())
-        network = info["network"]
-        metrics["test_accuracy"] = float(results["models"][network]["test_accuracy"])
-        seen = [
-            r
-            for r in results["detection"]
-            if r["model"] == network and r["detector"] == "transport" and r["setting"] == "seen"
-        ]
-        if seen:
-            metrics["seen_detection_accuracy_mean"] = float(np.mean([r["accuracy"] for r in seen]))
-            metrics["seen_auroc_mean"] = float(np.mean([r["auroc"] for r in seen]))
-    return write_bundle(
-        out or run / BUNDLE_DIR,
-        network_dir=run / "models" / info["network"],
-        detector=detector,
-        calibration=calibration,
-        name=f"lapguard-{config.name}-{info['network']}",
-        dataset=config.dataset,
-        metrics=metrics,
-    )
-
-
 def run_pipeline(
-    config: PipelineConfig, run: Path, *, root: Path | None = None, progress: bool = True
+    config: PipelineConfig, run: str | Path, *, root: Path | None = None, progress: bool = True
 ) -> dict[str, Any]:
     """All steps, each cached: re-running after an interruption resumes, a finished run is a no-op."""
+    from training.deployable import fit_deployable, write_run_bundle
     from training.report import write_report
+    from training.results import write_results
 
     init_run(config, run)
-    train_models(config, run, root=root, progress=progress)
-    sets = generate_attacks(config, run, root=root, progress=progress)
-    evaluate(config, run, root=root, progress=progress)
-    fit_deployable(config, run, root=root, progress=progress)
-    results = write_results(config, run, sets)
-    write_report(run)
-    write_run_bundle(run)
+    pipeline = PipelineRun(config, run, root=root, progress=progress)
+    train_models(pipeline)
+    for name in config.models:
+        pipeline.attack_sets(name)
+    evaluate(pipeline)
+    fit_deployable(pipeline)
+    results = write_results(pipeline)
+    write_report(pipeline.dir.path)
+    write_run_bundle(pipeline.dir.path)
     return results

@@ -45,27 +45,29 @@ def run_preset(
     return PipelineOutcome(config, run, results, time.perf_counter() - started)
 
 
-def fit_run(run: Path, *, root: Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Fit the deployable detector of ``run``; return its threshold calibration."""
-    from training.pipeline import fit_deployable, read_pipeline_config
+def fit_run(
+    run: Path, *, detector: str = "transport", root: Path | None = None, progress: bool = True
+) -> dict[str, Any]:
+    """Fit the deployable ``detector`` of ``run``; return its threshold calibration."""
+    from training.deployable import DEPLOYABLE_FILE, fit_deployable
+    from training.pipeline import PipelineRun
 
-    out = fit_deployable(read_pipeline_config(run), run, root=root, progress=progress)
-    return dict(read_json(out / "detector.json", what="detector file")["calibration"])
+    out = fit_deployable(PipelineRun.open(run, root=root, progress=progress), detector)
+    return dict(read_json(out / DEPLOYABLE_FILE, what="deployable detector")["calibration"])
 
 
 def evaluate_run(run: Path, *, root: Path | None = None, progress: bool = True) -> dict[str, Any]:
     """The seen/unseen/OOD protocols of ``run`` (cached in its ``evaluation.json``)."""
-    from training.pipeline import evaluate, read_pipeline_config
+    from training.pipeline import PipelineRun, evaluate
 
-    return evaluate(read_pipeline_config(run), run, root=root, progress=progress)
+    return evaluate(PipelineRun.open(run, root=root, progress=progress))
 
 
 def report_run(run: Path, *, root: Path | None = None, progress: bool = True) -> Path:
     """Write ``results.json``, ``report.md`` and the figures of ``run``; return report.md."""
-    from training.pipeline import generate_attacks, read_pipeline_config, write_results
+    from training.pipeline import PipelineRun
     from training.report import write_report
+    from training.results import write_results
 
-    config = read_pipeline_config(run)
-    sets = generate_attacks(config, run, root=root, progress=progress)
-    write_results(config, run, sets)
+    write_results(PipelineRun.open(run, root=root, progress=progress))
     return write_report(run)

@@ -1,0 +1,144 @@
+"""The detector that ships: fitted on the training side of a run, then calibrated and measured
+through :class:`~detector.guard.Guard` -- the same torch scoring path the server and batch
+scoring run, so the threshold and the held-out flag rates are those a deployment reproduces.
+
+``RUN/detector/`` holds the detector (``detector.safetensors`` + ``detector.json``, written by
+:meth:`Detector.save`), ``deployable.json`` (network, training attacks, calibration, held-out
+flag rates, split) and ``heldout_scores.npz`` (the Guard's score of every held-out image, per set).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from detector import artefacts
+from detector.base import Detector
+from detector.bundle import write_bundle
+from detector.calibration import Calibration
+from detector.errors import ArtefactError, ConfigError
+from detector.guard import Guard
+from detector.registry import detector_info, get_detector, list_detectors, load_detector
+from training.experiments import Samples, Split, concat
+from training.pipeline import PipelineRun, read_pipeline_config
+from training.rundir import RunDir
+
+DEPLOYABLE_FILE = "deployable.json"
+HELDOUT_SCORES_FILE = "heldout_scores.npz"
+SPLIT_SEED = 0
+
+
+def deployable_detectors() -> list[str]:
+    """Detectors that can ship: the registered ones with a torch form the Guard serves."""
+    return list_detectors(servable=True)
+
+
+def fit_deployable(run: PipelineRun, detector: str = "transport") -> Path:
+    """Fit detector ``detector`` on the deploy network's training side (seed-0 split) of the
+    deploy attacks, calibrate it at the config's target FPR on held-out clean images, and
+    measure its flag rates on the test side, all scored by the Guard. Cached per detector."""
+    if detector not in deployable_detectors():
+        raise ConfigError(
+            f"detector {detector!r} cannot be deployed; choose one of {deployable_detectors()}"
+        )
+    out = run.dir.detector_dir
+    saved = out / DEPLOYABLE_FILE
+    if saved.is_file() and artefacts.read_json(saved).get("kind") == detector:
+        return out
+    config, name = run.config, run.config.deploy_model
+    data = run.samples(name)
+    keys = config.deploy_attacks or list(data.attacks)
+    split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
+    params: dict[str, Any] = {"random_state": 0, "n_jobs": -1} if detector == "transport" else {}
+    fitted = get_detector(detector, **params).fit_samples(
+        split.train(data.clean), concat([split.train(data.attacks[k]) for k in keys])
+    )
+    guard = Guard.from_run(run.model(name), fitted, np.inf, device=run.device)
+    calibration = Calibration.from_scores(
+        _guard_scores(guard, split.calibration(data.clean)).astype(np.float64),
+        config.target_fpr,
+        default_vote_threshold=detector_info(detector).default_threshold or 0.5,
+    )
+    scores = {"clean": _guard_scores(guard, split.test(data.clean))}
+    scores.update({k: _guard_scores(guard, split.test(data.attacks[k])) for k in keys})
+    fitted.save(out)
+    artefacts.save_npz(out / HELDOUT_SCORES_FILE, **scores)
+    artefacts.write_json(
+        saved,
+        {
+            "kind": detector,
+            "network": name,
+            "train_attacks": keys,
+            "calibration": calibration.to_dict(),
+            "heldout": _heldout_rates(scores, calibration.threshold),
+            "split_seed": SPLIT_SEED,
+            "test_fraction": config.test_fraction,
+        },
+    )
+    return out
+
+
+def _guard_scores(guard: Guard, samples: Samples) -> np.ndarray:
+    """The Guard's float32 scores of a sample set's images (one forward pass per batch)."""
+    return guard.predict(samples.images).scores
+
+
+def _heldout_rates(scores: dict[str, np.ndarray], threshold: float) -> dict[str, Any]:
+    """FPR on held-out clean images and the flag rate of each attack's held-out images."""
+    attacks = {k: v for k, v in scores.items() if k != "clean"}
+    return {
+        "fpr": float(np.mean(scores["clean"] > threshold)),
+        "n_clean": len(scores["clean"]),
+        "flag_rate": {k: float(np.mean(v > threshold)) for k, v in attacks.items()},
+        "n": {k: len(v) for k, v in attacks.items()},
+    }
+
+
+def load_deployable(run: str | Path) -> tuple[Detector, Calibration, dict[str, Any]]:
+    """The detector written by :func:`fit_deployable`, its calibration and its description."""
+    directory = RunDir(run).detector_dir
+    if not (directory / DEPLOYABLE_FILE).is_file():
+        raise ArtefactError(
+            f"no fitted detector in {directory}; run `lapguard fit --run {run}` first"
+        )
+    info = artefacts.read_json(directory / DEPLOYABLE_FILE, what="deployable detector")
+    return load_detector(directory), Calibration.from_dict(info["calibration"]), info
+
+
+def bundle_metrics(run: str | Path, info: dict[str, Any]) -> dict[str, float]:
+    """Headline metrics of the bundle: held-out rates, test accuracy, seen detection means."""
+    metrics: dict[str, float] = {"heldout_fpr": info["heldout"]["fpr"]}
+    metrics.update(
+        {f"heldout_flag_rate_{key}": rate for key, rate in info["heldout"]["flag_rate"].items()}
+    )
+    results_path = RunDir(run).results_file
+    if results_path.is_file():
+        results = artefacts.read_json(results_path, what="results")
+        network = info["network"]
+        metrics["test_accuracy"] = float(results["models"][network]["test_accuracy"])
+        seen = [
+            r
+            for r in results["detection"]
+            if r["model"] == network and r["detector"] == info["kind"] and r["setting"] == "seen"
+        ]
+        if seen:
+            metrics["seen_detection_accuracy_mean"] = float(np.mean([r["accuracy"] for r in seen]))
+            metrics["seen_auroc_mean"] = float(np.mean([r["auroc"] for r in seen]))
+    return metrics
+
+
+def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
+    """The deployable bundle of a finished run (default RUN/bundle)."""
+    config = read_pipeline_config(run)
+    detector, calibration, info = load_deployable(run)
+    return write_bundle(
+        out or RunDir(run).bundle,
+        network_dir=RunDir(run).model(info["network"]),
+        detector=detector,
+        calibration=calibration,
+        name=f"lapguard-{config.name}-{info['network']}",
+        dataset=config.dataset,
+        metrics=bundle_metrics(run, info),
+    )
