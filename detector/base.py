@@ -46,9 +46,9 @@ class DetectorInfo:
     name: str  # registry name, e.g. "transport"
     short_name: str  # report label, e.g. "TR"
     reads: Reads  # transport features, the images themselves, or images through the network
-    supervised: bool  # False: fitted on clean samples only (abnormal ones are ignored)
-    default_threshold: float | None  # its own decision (forest vote); None: the calibrated one
-    servable: bool  # has a torch form and travels in a bundle
+    supervised: bool = True  # False: fitted on clean samples only (abnormal ones are ignored)
+    default_threshold: float | None = DEFAULT_VOTE_THRESHOLD  # its own decision; None: calibrated
+    servable: bool = False  # has a torch form and travels in a bundle
 
 
 class SampleSet(Protocol):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import TracebackType
 
 import numpy as np
 import torch
@@ -123,14 +122,9 @@ class TransportFeatureExtractor:
             self._pass_start.__enter__()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._taps.__exit__(exc_type, exc, tb)
-        self._pass_start.__exit__(exc_type, exc, tb)
+    def __exit__(self, *exc: object) -> None:
+        self._taps.__exit__(*exc)
+        self._pass_start.__exit__(*exc)
 
     def _new_pass(self, _inputs: torch.Tensor | None = None) -> bool:
         self._unit_sums = {}

@@ -227,14 +227,7 @@ class TransportDetector(Detector):
     score > 0.5 (either forest's majority vote).
     """
 
-    info = DetectorInfo(
-        name="transport",
-        short_name="TR",
-        reads="features",
-        supervised=True,
-        default_threshold=DEFAULT_VOTE_THRESHOLD,
-        servable=True,
-    )
+    info = DetectorInfo("transport", "TR", reads="features", servable=True)
 
     def __init__(
         self,

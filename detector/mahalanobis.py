@@ -28,7 +28,6 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 from detector.base import (
-    DEFAULT_VOTE_THRESHOLD,
     Detector,
     DetectorInfo,
     SampleSet,
@@ -103,14 +102,7 @@ class MahalanobisDetector(Detector):
     ``fit_samples``/``score_samples`` read the per-magnitude features from ``samples.extra``.
     """
 
-    info = DetectorInfo(
-        name="mahalanobis",
-        short_name="MH",
-        reads="network",
-        supervised=True,
-        default_threshold=DEFAULT_VOTE_THRESHOLD,
-        servable=False,
-    )
+    info = DetectorInfo("mahalanobis", "MH", reads="network")
 
     def __init__(
         self,

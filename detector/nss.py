@@ -17,7 +17,6 @@ from scipy.special import gammaln
 from sklearn.ensemble import RandomForestClassifier
 
 from detector.base import (
-    DEFAULT_VOTE_THRESHOLD,
     Detector,
     DetectorInfo,
     SampleSet,
@@ -124,14 +123,7 @@ class NSSDetector(Detector):
     :func:`nss_features`.
     """
 
-    info = DetectorInfo(
-        name="nss",
-        short_name="NS",
-        reads="images",
-        supervised=True,
-        default_threshold=DEFAULT_VOTE_THRESHOLD,
-        servable=False,
-    )
+    info = DetectorInfo("nss", "NS", reads="images")
 
     def __init__(
         self,

@@ -90,13 +90,9 @@ class QuantileDetector(Detector):
     -> float64 [N], HIGHER = MORE ABNORMAL (> 0 outside the clean band).
     """
 
+    # Zero-shot: its decision is the calibrated threshold, not a vote.
     info = DetectorInfo(
-        name="quantile",
-        short_name="QT",
-        reads="features",
-        supervised=False,
-        default_threshold=None,  # its decision is the calibrated threshold
-        servable=True,
+        "quantile", "QT", reads="features", supervised=False, default_threshold=None, servable=True
     )
 
     def __init__(self, feature: str = "transport_cost", fpr: float = 0.05) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -307,36 +308,21 @@ def test_interrupted_generation_resumes_from_finished_batches(
         if len(calls) == 2:
             raise KeyboardInterrupt
 
+    def bim_set(folder: str, **options: Any) -> Any:
+        return _set(tmp_path / folder, network, images, "bim", params, n=6, **options)
+
     with pytest.raises(KeyboardInterrupt):
-        _set(
-            tmp_path / "a",
-            network,
-            images,
-            "bim",
-            params,
-            n=6,
-            batch_size=2,
-            on_batch=interrupt_after_two,
-        )
+        bim_set("a", batch_size=2, on_batch=interrupt_after_two)
     partial = [p for p in (tmp_path / "a").iterdir() if p.name.endswith(".partial")]
     assert len(partial) == 1 and len(list(partial[0].glob("batch-*.npz"))) == 2
     assert not [p for p in (tmp_path / "a").iterdir() if not p.name.endswith(".partial")]
 
     resumed_batches: list[int] = []
     # A different batch size asked on resume: the partial set's own batch size wins.
-    resumed = _set(
-        tmp_path / "a",
-        network,
-        images,
-        "bim",
-        params,
-        n=6,
-        batch_size=4,
-        on_batch=lambda b, n: resumed_batches.append(b),
-    )
+    resumed = bim_set("a", batch_size=4, on_batch=lambda b, n: resumed_batches.append(b))
     assert resumed_batches == [2] and resumed.manifest["batch_size"] == 2
     assert not partial[0].exists()
-    whole = _set(tmp_path / "b", network, images, "bim", params, n=6, batch_size=2)
+    whole = bim_set("b", batch_size=2)
     np.testing.assert_array_equal(resumed.x_adv, whole.x_adv)
     np.testing.assert_array_equal(resumed.adv_pred, whole.adv_pred)
 

@@ -127,22 +127,12 @@ def _histogram_panel(
     edges, log = _histogram_bins(np.concatenate([clean, other]), 60)
     low, high = np.quantile(clean, [quantiles[0], quantiles[-1]])
     outside = float(np.mean((other < low) | (other > high)))
-    ax.hist(
-        np.clip(clean, edges[0], edges[-1]),
-        bins=edges,
-        density=True,
-        alpha=0.55,
-        color="tab:blue",
-        label=f"clean (n={len(clean)})",
-    )
-    ax.hist(
-        np.clip(other, edges[0], edges[-1]),
-        bins=edges,
-        density=True,
-        alpha=0.55,
-        color="tab:red",
-        label=f"{label} (n={len(other)}, {outside:.0%} outside)",
-    )
+    for values, color, name in (
+        (clean, "tab:blue", f"clean (n={len(clean)})"),
+        (other, "tab:red", f"{label} (n={len(other)}, {outside:.0%} outside)"),
+    ):
+        clipped = np.clip(values, edges[0], edges[-1])
+        ax.hist(clipped, bins=edges, density=True, alpha=0.55, color=color, label=name)
     ax.axvline(
         low,
         color="black",

@@ -398,12 +398,25 @@ def seen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> 
     lines = ["## Seen attacks (seed table 12)", ""]
     if not records:
         return lines + [f"Seen-attack protocol: {NOT_RUN}.", ""]
-    columns = order_sets(r["test_attack"] for r in records)
     lines += [
         f"Train and test on the same attack; {_runs_note(records)}; best per column in bold.",
         "",
     ]
-    for metric, higher, title in SEEN_METRICS:
+    return lines + _attack_tables(records, rows, SEEN_METRICS, prefix="", mean_column=False)
+
+
+def _attack_tables(
+    records: Sequence[Record],
+    rows: Sequence[tuple[str, str]],
+    metrics: Sequence[tuple[str, bool, str]],
+    *,
+    prefix: str,
+    mean_column: bool,
+) -> list[str]:
+    """One table per metric that any record has: rows x test attacks, best per column bold."""
+    columns = order_sets(r["test_attack"] for r in records)
+    lines: list[str] = []
+    for metric, higher, title in metrics:
         if any(r.get(metric) is not None for r in records):
             table = metric_table(
                 records,
@@ -412,8 +425,9 @@ def seen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> 
                 column_of=lambda r: r["test_attack"],
                 metric=metric,
                 higher_is_better=higher,
+                mean_column=mean_column,
             )
-            lines += [f"### {title}", "", table, ""]
+            lines += [f"### {prefix}{title}", "", table, ""]
     return lines
 
 
@@ -428,19 +442,8 @@ def unseen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -
     ]
     for train in order_sets(r["train_attack"] for r in records):
         subset = [r for r in records if r["train_attack"] == train]
-        columns = order_sets(r["test_attack"] for r in subset)
-        for metric, higher, title in SEEN_METRICS[:4]:
-            if any(r.get(metric) is not None for r in subset):
-                table = metric_table(
-                    subset,
-                    rows=rows,
-                    columns=columns,
-                    column_of=lambda r: r["test_attack"],
-                    metric=metric,
-                    higher_is_better=higher,
-                    mean_column=True,
-                )
-                lines += [f"### Trained on {set_label(train)}: {title}", "", table, ""]
+        prefix = f"Trained on {set_label(train)}: "
+        lines += _attack_tables(subset, rows, SEEN_METRICS[:4], prefix=prefix, mean_column=True)
     return lines
 
 
