@@ -36,7 +36,7 @@ def write_demo_samples(
     spec = next(a for a in config.attacks if a.key == key)
     x, y, indices = adversarial.attack_images(model_dir, n=spec.n, root=root)
     attacked = adversarial.get_or_generate(
-        run / "attacks" / config.deploy_model,
+        RunDir(run).attacks(config.deploy_model),
         model_dir,
         x,
         y,
