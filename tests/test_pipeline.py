@@ -114,6 +114,23 @@ def test_rerun_is_a_noop_and_steps_work_alone(smoke_run, tmp_path, data_root, ca
     assert "not a pipeline run directory" in capsys.readouterr().err
 
 
+def test_fit_deploys_every_offered_detector(smoke_run, tmp_path, capsys) -> None:
+    """`lapguard fit --detector quantile` refits, calibrates and bundles the zero-shot detector
+    (a copy of the smoke run, so the shipped transport detector stays as it is)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run, run)
+    assert cli_main(["fit", "--run", str(run), "--detector", "quantile", "--no-progress"]) == 0
+    calibration = json.loads(capsys.readouterr().out)
+    info = json.loads((run / "detector" / "deployable.json").read_text())
+    assert info["kind"] == "quantile" and info["calibration"] == calibration
+    assert cli_main(["bundle", "--run", str(run), "--out", str(tmp_path / "b")]) == 0
+    guard = Guard.from_bundle(tmp_path / "b", device="cpu")
+    assert guard.manifest is not None and guard.manifest.detector.kind == "quantile"
+    assert guard.threshold == calibration["threshold"]
+
+
 def _held_out_fgm(smoke_run: Path, info: dict, data_root: Path) -> np.ndarray:
     """The held-out (B2) FGM images of the smoke run's deploy network, rebuilt from its store."""
     from training.adversarial import attack_images, get_or_generate
