@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn import functional as F
 
 from detector.artefacts import atomic_path, write_text
 from detector.errors import ArtefactError, ConfigError
@@ -124,7 +125,8 @@ class ResidualBlock(nn.Module):
     """x -> shortcut(x) + h * residual(branch(x)), optionally followed by an activation.
 
     ``residual`` is the tap: an identity whose forward hook sees r(x) before the step size h.
-    ``post_activation`` gives ResNeXt-style blocks, x -> relu(shortcut(x) + h r(x)).
+    ``post_activation`` gives ResNeXt-style blocks, x -> relu(shortcut(x) + h r(x));
+    ``skip=False`` drops the shortcut (a plain, skip-free block x -> h r(x)).
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class ResidualBlock(nn.Module):
         h: float = 1.0,
         shortcut: nn.Module | None = None,
         post_activation: bool = False,
+        skip: bool = True,
     ) -> None:
         super().__init__()
         self.branch = branch
@@ -141,8 +144,13 @@ class ResidualBlock(nn.Module):
         self.shortcut = shortcut if shortcut is not None else nn.Identity()
         self.h = h
         self.activation: nn.Module = nn.ReLU(inplace=False) if post_activation else nn.Identity()
+        # skip=False gives the plain block x -> h * branch(x) (seed 001: "removing the identity
+        # maps"); the tap still sees the branch output.
+        self.skip = skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.skip:
+            return self.activation(self.h * self.residual(self.branch(x)))
         return self.activation(self.shortcut(x) + self.h * self.residual(self.branch(x)))
 
 
@@ -178,12 +186,110 @@ class ObservableResNet(nn.Module):
         return [f"blocks.{m}.residual" for m in range(len(self.blocks))]
 
 
+class Unitization(nn.Module):
+    """Batch normalization with the unitization of seed 004 embedded (Algorithms 1 and 2).
+
+    Per sample: x_hat = BN(x) without its affine step (lines 1-4 of Algorithm 1, line 5 of
+    Algorithm 2), p = 1 / sqrt(s + eps) with s = ||x_hat||^2 for [N, C] inputs (Algorithm 1,
+    line 5) or s = ||x_hat||^2 / (n H W) for [N, C, H, W] inputs (Algorithm 2, lines 6-10;
+    ``norm_divisor`` is the seed's n, H*W by default), then x_bar = [p alpha + (1 - alpha)] x_hat
+    (eq. 10; Algorithm 1 line 6, Algorithm 2 line 13) and y = gamma x_bar + beta.
+
+    ``alpha`` (one per channel) is trainable and starts at 0, as in the seed's experiments, so a
+    fresh layer computes exactly what ``BatchNorm`` computes; it is not clamped (the seed's
+    interpolation, eq. 10, is how it avoids constrained training). With alpha = 1, gamma = 1,
+    beta = 0 every output has norm below 1 ([N, C]) or sqrt(n H W) ([N, C, H, W]), which bounds the
+    EM distance between any two output distributions by twice that (Theorem 3.1).
+    Running moments are kept as BatchNorm keeps them, so inference uses them just as BN does.
+    """
+
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        spatial: bool = True,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        norm_divisor: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(num_features))
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        # BatchNorm's running moments, kept here (not in an affine-free BatchNorm child) so that
+        # code initializing every BatchNorm's weight and bias leaves this layer alone.
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self.spatial = spatial
+        self.eps = eps
+        self.momentum = momentum
+        self.norm_divisor = norm_divisor
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """x_hat = BN(x) without the affine step: batch moments in training (updating the running
+        ones), running moments in eval, exactly as ``BatchNorm`` does."""
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        return F.batch_norm(
+            x,
+            self.running_mean,
+            self.running_var,
+            None,
+            None,
+            self.training,
+            self.momentum,
+            self.eps,
+        )
+
+    def inverse_norm(self, x_hat: torch.Tensor) -> torch.Tensor:
+        """p of Algorithm 1 (line 5) / Algorithm 2 (lines 6-10), one value per sample: [N]."""
+        squares = x_hat.flatten(1).square().sum(1)
+        if self.spatial:
+            pixels = x_hat.shape[-2] * x_hat.shape[-1]
+            n = self.norm_divisor if self.norm_divisor is not None else pixels
+            squares = squares / (n * pixels)
+        return torch.rsqrt(squares + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_hat = self.normalize(x)
+        per_sample = (-1,) + (1,) * (x.ndim - 1)
+        per_channel = (1, -1) + (1,) * (x.ndim - 2)
+        p = self.inverse_norm(x_hat).view(per_sample)
+        alpha = self.alpha.view(per_channel)
+        x_bar = (p * alpha + (1 - alpha)) * x_hat
+        return self.weight.view(per_channel) * x_bar + self.bias.view(per_channel)
+
+
+NormKind = Literal["batch", "unit"]
+NORM_KINDS: tuple[str, ...] = ("batch", "unit")
+
+
+def norm_layer(kind: NormKind, channels: int, *, spatial: bool = True) -> nn.Module:
+    """The normalization a builder asked for: ``batch`` (BatchNorm) or ``unit`` (:class:`Unitization`)."""
+    if kind == "batch":
+        return nn.BatchNorm2d(channels) if spatial else nn.BatchNorm1d(channels)
+    if kind == "unit":
+        return Unitization(channels, spatial=spatial)
+    raise ConfigError(f"unknown normalization {kind!r}; choose one of: {', '.join(NORM_KINDS)}")
+
+
 def _conv_bn(
-    cin: int, cout: int, *, stride: int = 1, groups: int = 1, kernel: int = 3
+    cin: int,
+    cout: int,
+    *,
+    stride: int = 1,
+    groups: int = 1,
+    kernel: int = 3,
+    norm: NormKind = "batch",
 ) -> list[nn.Module]:
     return [
         nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2, groups=groups, bias=False),
-        nn.BatchNorm2d(cout),
+        norm_layer(norm, cout),
     ]
 
 
@@ -234,18 +340,28 @@ def resnet9_mnist(
     input_size: int = 28,
     h: float = 1.0,
     negate_logits: bool = False,
+    norm: NormKind = "batch",
+    skip: bool = True,
 ) -> ObservableResNet:
     """The seed's MNIST/Fashion-MNIST network: two convs encode CxSxS into width x S/2 x S/2,
-    ``depth`` residual blocks (conv-BN-ReLU-conv-BN), classifier FC-BN-ReLU-FC."""
+    ``depth`` residual blocks (conv-BN-ReLU-conv-BN), classifier FC-BN-ReLU-FC.
+
+    ``norm="unit"`` puts :class:`Unitization` (seed 004) wherever BatchNorm would be;
+    ``skip=False`` builds the plain (skip-free) twin, x_{m+1} = h * branch(x_m) (seed 001).
+    """
     stem = nn.Sequential(
-        *_conv_bn(in_channels, width),
+        *_conv_bn(in_channels, width, norm=norm),
         nn.ReLU(),
-        *_conv_bn(width, width, stride=2),
+        *_conv_bn(width, width, stride=2, norm=norm),
         nn.ReLU(),
     )
     blocks = [
         ResidualBlock(
-            nn.Sequential(*_conv_bn(width, width), nn.ReLU(), *_conv_bn(width, width)), h=h
+            nn.Sequential(
+                *_conv_bn(width, width, norm=norm), nn.ReLU(), *_conv_bn(width, width, norm=norm)
+            ),
+            h=h,
+            skip=skip,
         )
         for _ in range(depth)
     ]
@@ -253,7 +369,7 @@ def resnet9_mnist(
     head = nn.Sequential(
         nn.Flatten(),
         nn.Linear(width * side * side, hidden),
-        nn.BatchNorm1d(hidden),
+        norm_layer(norm, hidden, spatial=False),
         nn.ReLU(),
         nn.Linear(hidden, num_classes),
     )
@@ -263,13 +379,13 @@ def resnet9_mnist(
 
 
 def _preact_basic(
-    cin: int, cout: int, stride: int, *, h: float, dropout: float = 0.0
+    cin: int, cout: int, stride: int, *, h: float, dropout: float = 0.0, norm: NormKind = "batch"
 ) -> ResidualBlock:
     layers: list[nn.Module] = [
-        nn.BatchNorm2d(cin),
+        norm_layer(norm, cin),
         nn.ReLU(),
         nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
-        nn.BatchNorm2d(cout),
+        norm_layer(norm, cout),
         nn.ReLU(),
     ]
     if dropout > 0:
@@ -293,6 +409,7 @@ def _preact_network(
     dropout: float,
     stem_width: int,
     negate_logits: bool,
+    norm: NormKind,
 ) -> ObservableResNet:
     stem = nn.Conv2d(in_channels, stem_width, 3, padding=1, bias=False)
     blocks: list[ResidualBlock] = []
@@ -300,10 +417,10 @@ def _preact_network(
     for stage, cout in enumerate(widths):
         for b in range(blocks_per_stage):
             stride = 2 if (stage > 0 and b == 0) else 1
-            blocks.append(_preact_basic(cin, cout, stride, h=h, dropout=dropout))
+            blocks.append(_preact_basic(cin, cout, stride, h=h, dropout=dropout, norm=norm))
             cin = cout
     head = nn.Sequential(
-        nn.BatchNorm2d(cin),
+        norm_layer(norm, cin),
         nn.ReLU(),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
@@ -325,8 +442,10 @@ def resnet110(
     base_width: int = 16,
     h: float = 1.0,
     negate_logits: bool = False,
+    norm: NormKind = "batch",
 ) -> ObservableResNet:
-    """CIFAR pre-activation ResNet (He et al. 2016b): 3 stages of (depth-2)/6 basic blocks."""
+    """CIFAR pre-activation ResNet (He et al. 2016b): 3 stages of (depth-2)/6 basic blocks.
+    ``norm="unit"`` uses :class:`Unitization` (seed 004's ResNet-20/110 set-up)."""
     if (depth - 2) % 6 != 0 or depth < 8:
         raise ConfigError(f"resnet110 depth must be 6n+2 (e.g. 20, 56, 110), got {depth}")
     return _preact_network(
@@ -340,6 +459,7 @@ def resnet110(
         dropout=0.0,
         stem_width=base_width,
         negate_logits=negate_logits,
+        norm=norm,
     )
 
 
@@ -355,6 +475,7 @@ def wide_resnet(
     dropout: float = 0.0,
     h: float = 1.0,
     negate_logits: bool = False,
+    norm: NormKind = "batch",
 ) -> ObservableResNet:
     """Wide ResNet (Zagoruyko & Komodakis 2016), pre-activation, 3 stages of (depth-4)/6 blocks."""
     if (depth - 4) % 6 != 0 or depth < 10:
@@ -370,23 +491,31 @@ def wide_resnet(
         dropout=dropout,
         stem_width=16,
         negate_logits=negate_logits,
+        norm=norm,
     )
 
 
 def _resnext_bottleneck(
-    cin: int, cout: int, stride: int, *, cardinality: int, group_width: int, h: float
+    cin: int,
+    cout: int,
+    stride: int,
+    *,
+    cardinality: int,
+    group_width: int,
+    h: float,
+    norm: NormKind = "batch",
 ) -> ResidualBlock:
     inner = cardinality * group_width
     branch = nn.Sequential(
-        *_conv_bn(cin, inner, kernel=1),
+        *_conv_bn(cin, inner, kernel=1, norm=norm),
         nn.ReLU(),
-        *_conv_bn(inner, inner, stride=stride, groups=cardinality),
+        *_conv_bn(inner, inner, stride=stride, groups=cardinality, norm=norm),
         nn.ReLU(),
-        *_conv_bn(inner, cout, kernel=1),
+        *_conv_bn(inner, cout, kernel=1, norm=norm),
     )
     shortcut = None
     if stride != 1 or cin != cout:
-        shortcut = nn.Sequential(*_conv_bn(cin, cout, stride=stride, kernel=1))
+        shortcut = nn.Sequential(*_conv_bn(cin, cout, stride=stride, kernel=1, norm=norm))
     return ResidualBlock(branch, h=h, shortcut=shortcut, post_activation=True)
 
 
@@ -403,9 +532,10 @@ def resnext50(
     base_width: int = 64,
     h: float = 1.0,
     negate_logits: bool = False,
+    norm: NormKind = "batch",
 ) -> ObservableResNet:
     """CIFAR-style ResNeXt-50 (32x4d): 3x3 stem without max-pool, post-activation bottlenecks."""
-    stem = nn.Sequential(*_conv_bn(in_channels, base_width), nn.ReLU())
+    stem = nn.Sequential(*_conv_bn(in_channels, base_width, norm=norm), nn.ReLU())
     blocks: list[ResidualBlock] = []
     cin = base_width
     for stage, count in enumerate(layers):
@@ -415,7 +545,7 @@ def resnext50(
             stride = 2 if (stage > 0 and b == 0) else 1
             blocks.append(
                 _resnext_bottleneck(
-                    cin, cout, stride, cardinality=cardinality, group_width=width, h=h
+                    cin, cout, stride, cardinality=cardinality, group_width=width, h=h, norm=norm
                 )
             )
             cin = cout
