@@ -213,6 +213,29 @@ def layer_label_distances(
     return np.array([float(np.mean(label_wasserstein(p, target, cost))) for p in layer_predictions])
 
 
+def probe_predictions(
+    model: nn.Module,
+    x: torch.Tensor,
+    probes: Sequence[nn.Module],
+    *,
+    tap_names: Sequence[str] | None = None,
+) -> list[np.ndarray]:
+    """The label distribution each block's probe head predicts (seed 000, Figure 1(a): h_l):
+    softmax(probes[m](x_{m+1})) on the output of block m, one [N, K] array per probe.
+
+    Probes take the block output in its own shape (e.g. pooling + linear); they are trained
+    elsewhere, with the network frozen. Feed the result to :func:`layer_label_distances`.
+    """
+    states = _block_tensors(model, x, tap_names)[1:]
+    if len(probes) != len(states):
+        raise InputError(f"need one probe per block: {len(states)} blocks, {len(probes)} probes")
+    with torch.no_grad():
+        return [
+            torch.softmax(probe(state), dim=1).double().cpu().numpy()
+            for probe, state in zip(probes, states, strict=True)
+        ]
+
+
 # --------------------------------------------------------------------------------------------
 # Seed 004: internal covariate shift as an EM distance
 # --------------------------------------------------------------------------------------------

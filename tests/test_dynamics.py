@@ -121,6 +121,26 @@ def test_layer_label_distances_average_over_samples_per_layer() -> None:
     assert curve == pytest.approx([2 / 3, 1 / 3, 0.0], abs=1e-9)
 
 
+def test_probe_on_the_last_block_reads_the_network_prediction() -> None:
+    torch.manual_seed(0)
+    model = get_model("resnet9_mnist", width=4, depth=2, hidden=8).eval()
+    x = torch.rand(5, 1, 28, 28)
+    uniform = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4 * 14 * 14, 10))
+    with torch.no_grad():
+        uniform[1].weight.zero_()
+        uniform[1].bias.zero_()
+    first, last = dynamics.probe_predictions(model, x, [uniform, model.head])
+    np.testing.assert_allclose(first, np.full((5, 10), 0.1))
+    with torch.no_grad():
+        expected = torch.softmax(model(x), dim=1).double().numpy()
+    np.testing.assert_allclose(last, expected, rtol=1e-6)
+    target = np.eye(10)[expected.argmax(1)]
+    curve = dynamics.layer_label_distances([first, last], target, dynamics.label_cost(10))
+    assert curve[0] == pytest.approx(0.9) and curve[1] < curve[0]
+    with pytest.raises(InputError, match="one probe per block"):
+        dynamics.probe_predictions(model, x, [model.head])
+
+
 def test_label_histograms_must_be_probabilities() -> None:
     with pytest.raises(InputError, match="probability"):
         dynamics.label_wasserstein(np.array([0.5, 0.6]), np.array([0.5, 0.5]), np.ones((2, 2)))
