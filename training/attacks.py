@@ -5,8 +5,10 @@ models holding the seed's settings (003 §5.4) and ART's defaults otherwise; any
 overridden by name. Images are numpy float32 NCHW in the network's value range, labels int64.
 
 Registered: ``fgm``, ``apgd``, ``bim``, ``cw``, ``deepfool``, ``hsj``, ``boundary``,
-``autoattack`` (the authors' code, PyPI ``pyautoattack``) and ``noise`` (uniform noise of the
-same ε: a control, labelled clean in detection training).
+``autoattack`` (the authors' code, PyPI ``pyautoattack``), ``noise`` (uniform noise of the
+same ε: a control, labelled clean in detection training), and ``cw-batched`` and
+``deepfool-batched`` (ART's CW-L2 and DeepFool as batched torch code in
+:mod:`training.batched_attacks`, with the same parameters, many times cheaper).
 
 Randomness: each batch is seeded from ``(seed, batch index)`` (numpy's global generator, torch and
 ``random``, which ART and AutoAttack draw from), so a set resumed after an interruption equals one
@@ -119,6 +121,14 @@ class DeepFoolParams(AttackParams):
     max_iter: int = Field(100, ge=1)
     epsilon: float = Field(1e-6, ge=0, description="overshoot")
     nb_grads: int = Field(10, ge=1, description="number of class gradients (most likely classes)")
+
+
+class CWBatchedParams(CWParams):
+    """Carlini & Wagner L2, ART's algorithm as batched torch code (one backward pass per step)."""
+
+
+class DeepFoolBatchedParams(DeepFoolParams):
+    """DeepFool, ART's algorithm as batched torch code (unflipped samples only)."""
 
 
 class _DecisionBased(AttackParams):
@@ -537,6 +547,45 @@ def _build_deepfool(runner: AttackRunner, p: DeepFoolParams) -> RunFn:
     )
 
 
+def _torch_run(runner: AttackRunner, attack: Callable[..., torch.Tensor]) -> RunFn:
+    """A RunFn of a batched torch attack ``attack(model, x, y)`` on the runner's device."""
+
+    def run(x: np.ndarray, y: np.ndarray, seed: int) -> np.ndarray:
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(runner.device)
+        yt = torch.from_numpy(np.asarray(y, dtype=np.int64)).to(runner.device)
+        return attack(runner.model, xt, yt).detach().cpu().numpy()
+
+    return run
+
+
+def _build_cw_batched(runner: AttackRunner, p: CWBatchedParams) -> RunFn:
+    from training.batched_attacks import carlini_l2
+
+    value_range = runner.config.input_spec.value_range
+    return _torch_run(
+        runner,
+        lambda model, x, y: carlini_l2(model, x, y, value_range=value_range, **p.model_dump()),
+    )
+
+
+def _build_deepfool_batched(runner: AttackRunner, p: DeepFoolBatchedParams) -> RunFn:
+    from training.batched_attacks import deepfool
+
+    value_range = runner.config.input_spec.value_range
+    nb_grads = min(p.nb_grads, runner.config.num_classes)
+    return _torch_run(
+        runner,
+        lambda model, x, y: deepfool(
+            model,
+            x,
+            value_range=value_range,
+            max_iter=p.max_iter,
+            epsilon=p.epsilon,
+            nb_grads=nb_grads,
+        ),
+    )
+
+
 def _seeded_starts(
     runner: AttackRunner,
     x: np.ndarray,
@@ -726,5 +775,9 @@ for _spec in (
     AttackSpec("boundary", BoundaryParams, _build_boundary, "black-box", 1, slow=True),
     AttackSpec("autoattack", AutoAttackParams, _build_autoattack, "white-box", 128),
     AttackSpec("noise", NoiseParams, _build_noise, "control", 1000),
+    AttackSpec("cw-batched", CWBatchedParams, _build_cw_batched, "white-box", 256),
+    AttackSpec(
+        "deepfool-batched", DeepFoolBatchedParams, _build_deepfool_batched, "white-box", 256
+    ),
 ):
     _register(_spec)

@@ -1,0 +1,86 @@
+"""ART's CW-L2 and DeepFool against our batched torch code, on the same images of one network.
+
+For each pair (``cw`` / ``cw-batched``, ``deepfool`` / ``deepfool-batched``), both run with the
+seed's parameters on the first N test images of the seeded order (those of ``attack_costs.py``)
+through :func:`training.attacks.generate`, without any cache. Prints a markdown table: success
+rate on originally correct images, median L2 over the fooled ones, s/image, and the batched /
+ART ratios, with issue 11's bar (success within 3 points, median L2 within 15%). Run alone: other
+jobs on 2 cores distort timings.
+
+    .venv/bin/python benchmarks/minimal_attacks.py runs/quick/models/vanilla [--n 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from detector.networks import load
+from training.adversarial import attack_images
+from training.attacks import generate, predict_labels
+
+PAIRS = [("cw", "cw-batched"), ("deepfool", "deepfool-batched")]
+
+
+def measure(
+    model: torch.nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    attack: str,
+    *,
+    batch_size: int | None,
+    device: str,
+) -> tuple[float, float, float]:
+    """(success rate on originally correct images, median L2 of the fooled ones, s/image)."""
+    started = time.perf_counter()
+    adv = generate(model, x, y, attack, batch_size=batch_size, device=device, progress=False)
+    seconds = (time.perf_counter() - started) / len(x)
+    correct = predict_labels(model, x, device=device) == y
+    fooled = correct & (predict_labels(model, adv, device=device) != y)
+    l2 = np.linalg.norm((adv.astype(np.float64) - x).reshape(len(x), -1), axis=1)
+    rate = fooled.sum() / max(int(correct.sum()), 1)
+    median = float(np.median(l2[fooled])) if fooled.any() else float("nan")
+    return float(rate), median, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", type=Path, help="a trained network's directory")
+    parser.add_argument("--n", type=int, default=200, help="images (the same for every attack)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--art-batch", type=int, default=None, help="ART's batch size")
+    parser.add_argument("--batched-batch", type=int, default=None, help="our batch size")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model = load(args.model_dir)
+    x, y, _ = attack_images(args.model_dir, split="test", n=args.n, seed=0)
+    print(
+        "| attack | success | median L2 | s/image | success diff (pts) | L2 ratio | speed-up | bar |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for art, ours in PAIRS:
+        a = measure(model, x, y, art, batch_size=args.art_batch, device=args.device)
+        b = measure(model, x, y, ours, batch_size=args.batched_batch, device=args.device)
+        points, ratio = 100 * (b[0] - a[0]), b[1] / a[1]
+        ok = abs(points) <= 3 and abs(ratio - 1) <= 0.15
+        print(f"| {art} | {a[0]:.3f} | {a[1]:.4f} | {a[2]:.4f} | | | | |")
+        print(
+            f"| {ours} | {b[0]:.3f} | {b[1]:.4f} | {b[2]:.4f} | {points:+.1f} | {ratio:.3f} "
+            f"| {a[2] / b[2]:.1f}x | {'met' if ok else 'MISSED'} |",
+            flush=True,
+        )
+    print(
+        f"\nn={len(x)}; medians over fooled, originally correct images; "
+        f"torch threads {torch.get_num_threads()}; device {args.device}"
+    )
+
+
+if __name__ == "__main__":
+    main()
