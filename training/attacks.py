@@ -559,12 +559,12 @@ def _torch_run(runner: AttackRunner, attack: Callable[..., torch.Tensor]) -> Run
 
 
 def _build_cw_batched(runner: AttackRunner, p: CWBatchedParams) -> RunFn:
-    from training.batched_attacks import carlini_l2
+    from training.batched_attacks import CarliniL2
 
     value_range = runner.config.input_spec.value_range
     return _torch_run(
         runner,
-        lambda model, x, y: carlini_l2(model, x, y, value_range=value_range, **p.model_dump()),
+        lambda model, x, y: CarliniL2(model, x, y, value_range=value_range, **p.model_dump()).run(),
     )
 
 

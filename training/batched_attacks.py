@@ -88,7 +88,7 @@ def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class _CWState:
     """One binary-search step of ART's CW-L2 on a batch: tanh-space iterate and its losses."""
 
-    def __init__(self, attack: _CarliniL2, c: torch.Tensor) -> None:
+    def __init__(self, attack: CarliniL2, c: torch.Tensor) -> None:
         self.attack, self.c = attack, c
         n = len(attack.x)
         self.lr = torch.full((n,), attack.learning_rate, dtype=torch.float64, device=c.device)
@@ -151,18 +151,40 @@ class _CWState:
             self.overall_success |= self.success
 
 
-class _CarliniL2:
-    """ART's CarliniL2Method (untargeted) on one batch, with one backward pass per step."""
+class CarliniL2:
+    """Untargeted Carlini & Wagner L2 against true labels ``y``: ART's CarliniL2Method on one
+    batch, with one backward pass per step. ``CarliniL2(model, x, y, ...).run()`` -> adversarial x."""
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, **settings) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        value_range: tuple[float, float],
+        confidence: float,
+        learning_rate: float,
+        binary_search_steps: int,
+        max_iter: int,
+        initial_const: float,
+        max_halving: int,
+        max_doubling: int,
+    ) -> None:
         self.x, self.y = x, y
-        self.box = _TanhBox(*settings.pop("value_range"))
+        self.box = _TanhBox(*value_range)
         self.w0 = self.box.to_tanh(x)
-        self.objective = _CWObjective(model, settings.pop("confidence"))
-        self.learning_rate: float = settings["learning_rate"]
-        self.max_halving: int = settings["max_halving"]
-        self.max_doubling: int = settings["max_doubling"]
-        self.settings = settings
+        self.objective = _CWObjective(model, confidence)
+        self.learning_rate = learning_rate
+        self.max_halving = max_halving
+        self.max_doubling = max_doubling
+        self.settings = {
+            "learning_rate": learning_rate,
+            "binary_search_steps": binary_search_steps,
+            "max_iter": max_iter,
+            "initial_const": initial_const,
+            "max_halving": max_halving,
+            "max_doubling": max_doubling,
+        }
         n = len(x)
         self.best_l2 = torch.full((n,), float("inf"), dtype=torch.float64, device=x.device)
         self.best_adv = x.clone()
@@ -198,36 +220,6 @@ class _CarliniL2:
             c[halfway] += (c - c_lower)[halfway] / 2
             c_lower[~found] = c[~found]
         return self.best_adv
-
-
-def carlini_l2(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    value_range: tuple[float, float],
-    confidence: float,
-    learning_rate: float,
-    binary_search_steps: int,
-    max_iter: int,
-    initial_const: float,
-    max_halving: int,
-    max_doubling: int,
-) -> torch.Tensor:
-    """Untargeted Carlini & Wagner L2 against true labels ``y``, ART's algorithm batched."""
-    return _CarliniL2(
-        model,
-        x,
-        y,
-        value_range=value_range,
-        confidence=confidence,
-        learning_rate=learning_rate,
-        binary_search_steps=binary_search_steps,
-        max_iter=max_iter,
-        initial_const=initial_const,
-        max_halving=max_halving,
-        max_doubling=max_doubling,
-    ).run()
 
 
 def _candidate_gradients(
