@@ -22,7 +22,7 @@ from detector.errors import ArtefactError, ConfigError
 from detector.guard import Guard
 from detector.registry import detector_info, get_detector, list_detectors, load_detector
 from training.experiments import Samples, Split, concat
-from training.pipeline import PipelineRun, read_pipeline_config
+from training.pipeline import PipelineRun, on_all_cores, read_pipeline_config
 from training.rundir import RunDir
 
 DEPLOYABLE_FILE = "deployable.json"
@@ -51,8 +51,7 @@ def fit_deployable(run: PipelineRun, detector: str = "transport") -> Path:
     data = run.samples(name)
     keys = config.deploy_attacks or list(data.attacks)
     split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
-    params: dict[str, Any] = {"random_state": 0, "n_jobs": -1} if detector == "transport" else {}
-    fitted = get_detector(detector, **params).fit_samples(
+    fitted = on_all_cores(get_detector(detector)).fit_samples(
         split.train(data.clean), concat([split.train(data.attacks[k]) for k in keys])
     )
     guard = Guard.from_run(run.model(name), fitted, np.inf, device=run.device)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from detector import artefacts, networks
+from detector.base import Detector
 from detector.errors import ArtefactError, ConfigError
 from detector.features import TransportFeatureExtractor, extract_features
 from detector.registry import get_detector
@@ -228,14 +229,11 @@ def evaluate(run: PipelineRun) -> dict[str, Any]:
     return result
 
 
-def _protocol_detectors(run: PipelineRun, name: str, data: NetworkSamples) -> list[Any]:
+def _protocol_detectors(run: PipelineRun, name: str, data: NetworkSamples) -> list[Detector]:
     """The config's detectors from the registry; those that read the network learn their clean
     statistics once and add their per-image arrays (cached on disk) to every sample set."""
-    params: dict[str, dict[str, Any]] = {
-        "transport": {"n_jobs": -1},
-        "mahalanobis": {"magnitudes": tuple(run.config.mahalanobis_magnitudes), "n_jobs": -1},
-    }
-    detectors = [get_detector(d, **params.get(d, {})) for d in run.config.detectors]
+    params = {"mahalanobis": {"magnitudes": tuple(run.config.mahalanobis_magnitudes)}}
+    detectors = [on_all_cores(get_detector(d, **params.get(d, {}))) for d in run.config.detectors]
     for detector in detectors:
         if detector.info.reads != "network":
             continue
@@ -248,6 +246,13 @@ def _protocol_detectors(run: PipelineRun, name: str, data: NetworkSamples) -> li
         for samples in (data.clean, *data.attacks.values(), *data.ood.values()):
             _add_precomputed(run, name, detector, samples)
     return detectors
+
+
+def on_all_cores(detector: Detector) -> Detector:
+    """The detector fitting on every core when it has an ``n_jobs`` (same results, less time)."""
+    if "n_jobs" in detector.get_params():
+        detector.set_params(n_jobs=-1)
+    return detector
 
 
 def _add_precomputed(run: PipelineRun, name: str, detector: Any, samples: Samples) -> None:
