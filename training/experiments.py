@@ -189,7 +189,7 @@ def run_protocols(
     external (their rows are split by position). ``noisy_copies`` (noised clean images,
     labelled clean) are added to the training side when given.
     """
-    universe = int(max(clean.indices.max(), *(a.indices.max() for a in attacks.values()))) + 1
+    universe = index_universe(clean, attacks)
     per_seed = len(seen) + (1 if unseen_train else 0) + len(ood_train)
     protocols = _Protocols(model, attacks, ood_sets, target_fpr)
     with tqdm(
@@ -199,7 +199,7 @@ def run_protocols(
         dynamic_ncols=True,
     ) as bar:
         for seed in seeds:
-            sides = _Sides.of(seed, test_fraction, universe, clean, noisy_copies)
+            sides = Sides.of(seed, test_fraction, universe, clean, noisy_copies)
             for prototype in detectors:
                 for key in seen:
                     protocols.seen(prototype, sides, key)
@@ -213,8 +213,13 @@ def run_protocols(
     return list(protocols.records.values())
 
 
+def index_universe(clean: Samples, attacks: dict[str, Samples]) -> int:
+    """The size of the test-image index space the splits cut (one more than the largest index)."""
+    return int(max(clean.indices.max(), *(a.indices.max() for a in attacks.values()))) + 1
+
+
 @dataclass
-class _Sides:
+class Sides:
     """One seed's split of the clean samples, and the seed's generator for balancing."""
 
     seed: int
@@ -232,7 +237,7 @@ class _Sides:
         universe: int,
         clean: Samples,
         noisy_copies: Samples | None,
-    ) -> _Sides:
+    ) -> Sides:
         split = Split(seed, test_fraction, universe)
         train_clean = split.train(clean)
         if noisy_copies is not None:
@@ -245,6 +250,18 @@ class _Sides:
             split.calibration(clean),
             split.test(clean),
         )
+
+    def pairs(
+        self, attack: Samples, n_train: int | None = None
+    ) -> tuple[tuple[Samples, Samples], tuple[Samples, Samples]]:
+        """((train clean, train attacked), (test clean, test attacked)): an attack's B1 and B2
+        sides, each attacked image with its clean source. ``n_train`` keeps that many training
+        pairs, drawn by the seed (nested: a smaller ``n_train`` keeps a subset of a larger one)."""
+        train = self.split.train(attack)
+        if n_train is not None and n_train < len(train):
+            order = np.random.default_rng(self.seed).permutation(len(train))
+            train = train.take(np.sort(order[:n_train]))
+        return _paired(self.train_clean, train), _paired(self.test_clean, self.split.test(attack))
 
 
 @dataclass
@@ -268,23 +285,21 @@ class _Protocols:
         record.outcomes.append(outcome)
 
     def _evaluate(
-        self, detector: Detector, sides: _Sides, test_clean: Samples, test_abnormal: Samples
+        self, detector: Detector, sides: Sides, test_clean: Samples, test_abnormal: Samples
     ) -> Outcome:
-        return _evaluate_fitted(
+        return evaluate_fitted(
             detector, sides.calibration_clean, test_clean, test_abnormal, self.target_fpr
         )
 
-    def seen(self, prototype: Detector, sides: _Sides, key: str) -> None:
+    def seen(self, prototype: Detector, sides: Sides, key: str) -> None:
         """Train and test on the same attack (its B1 and B2 sides)."""
-        attack = self.attacks[key]
-        train_clean, train_abnormal = _paired(sides.train_clean, sides.split.train(attack))
-        test_clean, test_abnormal = _paired(sides.test_clean, sides.split.test(attack))
+        (train_clean, train_abnormal), (test_clean, test_abnormal) = sides.pairs(self.attacks[key])
         detector = prototype.with_seed(sides.seed).fit_samples(train_clean, train_abnormal)
         self._record(
             detector, "seen", key, key, self._evaluate(detector, sides, test_clean, test_abnormal)
         )
 
-    def unseen(self, prototype: Detector, sides: _Sides, train_key: str) -> None:
+    def unseen(self, prototype: Detector, sides: Sides, train_key: str) -> None:
         """Train on one attack, test on every other attack's B2."""
         train_clean, train_abnormal = _paired(
             sides.train_clean, sides.split.train(self.attacks[train_key])
@@ -297,7 +312,7 @@ class _Protocols:
             outcome = self._evaluate(detector, sides, test_clean, test_abnormal)
             self._record(detector, "unseen", train_key, key, outcome)
 
-    def ood(self, prototype: Detector, sides: _Sides, train_key: str) -> None:
+    def ood(self, prototype: Detector, sides: Sides, train_key: str) -> None:
         """Train against one abnormal set (an attack or an OOD set), test on every other OOD set."""
         if train_key in self.attacks:
             source = self.attacks[train_key]
@@ -327,7 +342,7 @@ def _positional_half(samples: Samples, seed: int, *, first: bool) -> Samples:
     return samples.take(np.sort(order[:half] if first else order[half:]))
 
 
-def _evaluate_fitted(
+def evaluate_fitted(
     detector: Detector,
     calibration_clean: Samples,
     test_clean: Samples,
