@@ -224,7 +224,10 @@ def evaluate(run: PipelineRun) -> dict[str, Any]:
             (ood_rows if record.setting == "ood" else detection).append(record.row())
         network_reader = next((d for d in detectors if d.info.reads == "network"), None)
         timing[name] = data.timing | _feature_timing(run, name, network_reader)
+    from training.learning_curves import run_learning_curves
+
     result = {"detection": detection, "ood": ood_rows, "timing": timing}
+    result["learning_curves"] = run_learning_curves(run)
     artefacts.write_json(path, result)
     return result
 

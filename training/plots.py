@@ -11,6 +11,7 @@ import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from detector.artefacts import atomic_path  # noqa: E402
 
@@ -229,4 +230,47 @@ def plot_feature_trajectories(
         fontsize="small",
     )
     _finish(fig, title, right=right)
+    return _save(fig, path)
+
+
+def _spaced_ticks(ticks: Sequence[int], ratio: float = 1.25) -> list[int]:
+    """Sorted ticks, leaving out any within ``ratio`` of the previous one kept (log axis)."""
+    kept: list[int] = []
+    for tick in ticks:
+        if not kept or tick >= ratio * kept[-1]:
+            kept.append(tick)
+    return kept
+
+
+def plot_learning_curves(
+    panels: Mapping[str, Mapping[str, Sequence[Mapping[str, float]]]],
+    path: str | Path,
+    *,
+    metric: str = "accuracy",
+    title: str = "",
+) -> Path:
+    """Detection `metric` vs the number of training pairs (log x), one panel per key of `panels`
+    (e.g. per network), one line per `label: points` with a ±1 std band; each point a mapping
+    with "pairs", `metric` and `metric + "_std"` (values in [0, 1], drawn in percent)."""
+    path = Path(path)
+    cols = max(1, len(panels))
+    fig, axes = plt.subplots(1, cols, figsize=(6.4 * cols, 4.4), squeeze=False)
+    for ax, (name, curves) in zip(axes[0], panels.items(), strict=False):
+        ticks: set[int] = set()
+        for label, points in curves.items():
+            pairs = np.array([p["pairs"] for p in points], dtype=np.float64)
+            mean = 100 * np.array([p[metric] for p in points], dtype=np.float64)
+            std = 100 * np.array([p.get(f"{metric}_std", 0.0) for p in points], dtype=np.float64)
+            (line,) = ax.plot(pairs, mean, marker="o", markersize=4, label=label)
+            ax.fill_between(pairs, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+            ticks.update(int(p) for p in pairs)
+        ax.set_xscale("log")
+        spaced = _spaced_ticks(sorted(ticks))
+        ax.set_xticks(spaced, [str(t) for t in spaced])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set(title=name, xlabel="training pairs (attacked + clean source)")
+        ax.set_ylabel(f"detection {metric} (%)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="lower right", fontsize="small")
+    _finish(fig, title)
     return _save(fig, path)

@@ -23,6 +23,7 @@ def write_results(run: PipelineRun) -> dict[str, Any]:
         "attacks": {name: _attack_rows(run, name) for name in run.config.models},
         "detection": evaluation["detection"],
         "ood": evaluation["ood"],
+        "learning_curves": evaluation.get("learning_curves", {}),
         "timing": _timing(timing, timing.get(run.config.deploy_model, {})),
         "machine": _machine(),
     }

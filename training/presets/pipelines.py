@@ -55,6 +55,9 @@ class PipelineConfig(BaseModel):
     deploy_attacks: list[str] | None = (
         None  # attack keys the deployed detector is trained on (default: all)
     )
+    # Attack keys whose learning curve (seen-setting accuracy of the transport detector on the
+    # deploy network vs the number of training pairs) the evaluation measures.
+    learning_curve_attacks: list[str] = Field(default_factory=list)
     not_run: list[dict[str, str]] = Field(
         default_factory=list
     )  # attacks left out, with the reason (for the report)
@@ -69,6 +72,7 @@ class PipelineConfig(BaseModel):
             *(self.seen or []),
             *([self.unseen_train] if self.unseen_train else []),
             *(self.deploy_attacks or []),
+            *self.learning_curve_attacks,
         ]:
             if name not in keys:
                 raise ValueError(f"{name!r} is not one of the attack keys {keys}")
