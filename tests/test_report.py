@@ -47,12 +47,42 @@ def _row(model: str, detector: str, train: str, test: str, accuracy: float, std:
         "auroc": min(1.0, accuracy + 0.02),
         "tpr": accuracy,
         "fpr": 1 - accuracy,
-        "successful_attack_detection_rate": accuracy,
+        "successful_attack_detection_rate": min(1.0, accuracy + 0.015),
+        "successful_attack_detection_rate_std": 0.002,
         "fpr_at_95_tpr": 0.1,
+        "calibrated_tpr": accuracy - 0.01,
+        "calibrated_tpr_std": 0.003,
         "runs": 5,
         "accuracy_std": std,
         "auroc_std": 0.001,
     }
+
+
+# The shipped detector's description: today's keys, plus keys a later deployable.json may add
+# (per-set rates on successful images, a group of OOD sets), which the report shows as found.
+DEPLOYABLE = {
+    "kind": "transport",
+    "network": "lap",
+    "train_attacks": ["fgm-eps0.1", "bim"],
+    "calibration": {"threshold": 0.57, "target_fpr": 0.05, "achieved_fpr": 0.05, "n": 900},
+    "heldout": {
+        "fpr": 0.048,
+        "n_clean": 1000,
+        "flag_rate": {"fgm-eps0.1": 0.995, "bim": 0.9874, "fgm-eps0.03": 0.61},
+        "n": {"fgm-eps0.1": 1000, "bim": 478, "fgm-eps0.03": 200},
+        "successful_flag_rate": {"fgm-eps0.1": 0.9971, "bim": 0.9912},
+        "ood": {"flag_rate": {"digits": 0.4125}, "n": {"digits": 1000}},
+    },
+    "split_seed": 0,
+    "test_fraction": 0.1,
+}
+LEARNING_CURVES = {
+    "cw": [
+        {"pairs": n, "accuracy": a, "accuracy_std": 0.02, "auroc": a + 0.03, "runs": 5}
+        for n, a in ((25, 0.55), (50, 0.58), (73, 0.6212))
+    ],
+    "deepfool": [{"pairs": 25, "accuracy": 0.52, "accuracy_std": 0.04, "runs": 5}],
+}
 
 
 def make_run(root: Path, *, ood: bool = True, scores: bool = True) -> Path:
@@ -67,6 +97,9 @@ def make_run(root: Path, *, ood: bool = True, scores: bool = True) -> Path:
         _row("vanilla", "transport", "fgm-eps0.03", "fgm-eps0.03", 0.7800, 0.0300),
         _row("lap", "transport", "fgm-eps0.1", "bim", 0.9300, 0.0100),
         _row("lap", "mahalanobis", "fgm-eps0.1", "bim", 0.8100, 0.0100),
+        _row("vanilla", "nss", "fgm-eps0.1", "fgm-eps0.1", 0.9650, 0.0040),
+        _row("lap", "nss", "bim", "bim", 0.9700, 0.0030),
+        _row("lap", "nss", "fgm-eps0.1", "bim", 0.6000, 0.0200),
     ]
     ood_rows = [
         {
@@ -96,6 +129,7 @@ def make_run(root: Path, *, ood: bool = True, scores: bool = True) -> Path:
         "detection": detection,
         "ood": ood_rows if ood else [],
         "timing": {"feature_extraction_seconds": {"transport": 1.0, "mahalanobis": 6.0}},
+        "learning_curves": {"lap": LEARNING_CURVES},
     }
     run = root / "run"
     (run / "models").mkdir(parents=True)
@@ -104,6 +138,8 @@ def make_run(root: Path, *, ood: bool = True, scores: bool = True) -> Path:
     (run / "pipeline_config.json").write_text(
         json.dumps({"name": "quick", "dataset": "fashion-mnist", "not_run": not_run})
     )
+    (run / "detector").mkdir()
+    (run / "detector" / "deployable.json").write_text(json.dumps(DEPLOYABLE))
     for model in ("vanilla", "lap"):
         (run / "models" / model).mkdir()
         epochs = [
@@ -133,6 +169,7 @@ def make_run(root: Path, *, ood: bool = True, scores: bool = True) -> Path:
             ("lap", "mahalanobis", "seen", "fgm-eps0.1", "fgm-eps0.1"),
             ("lap", "transport", "unseen", "fgm-eps0.1", "bim"),
             ("lap", "transport", "ood", "cw", "ood-digits"),
+            ("vanilla", "nss", "seen", "fgm-eps0.1", "fgm-eps0.1"),
         ]:
             folder = run / "scores" / model / detector / setting
             folder.mkdir(parents=True, exist_ok=True)
@@ -215,3 +252,99 @@ def test_cells_and_tables() -> None:
     assert format_cell(None, "accuracy") == "not run"
     lines = markdown_table(["a", "bb"], [["x", "1.0"], ["yyyy", "10.25"]]).splitlines()
     assert len({len(line) for line in lines}) == 1 and lines[1].endswith(": |")
+
+
+def _section(report: str, title: str) -> str:
+    """The text of the ``## title`` section, up to the next ``## `` heading."""
+    start = report.index(f"## {title}")
+    end = report.find("\n## ", start + 3)
+    return report[start : end if end >= 0 else None]
+
+
+def _table_row(text: str, label: str, after: str) -> list[str]:
+    """The cells of the first table row starting with ``label`` after the line ``after``."""
+    rest = text[text.index(after) :]
+    line = next(ln for ln in rest.splitlines() if ln.startswith(f"| {label} "))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_security_view_has_seed_appendix_h_tables_with_ns_rows(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    report = write_report(run).read_text()
+    security = _section(report, "Security view")
+    for title in (
+        "### Detection rate of successful adversarial images (%)",
+        "### False positive rate on clean test images (%)",
+        "### AUROC (%)",
+        "### FPR at 95% TPR (%)",
+    ):
+        assert title in security
+    successful = "### Detection rate of successful adversarial images (%)"
+    # seen: columns FGM ε=0.03, FGM ε=0.1, BIM; LAP TR has 0.9714 + 0.015 on FGM ε=0.1
+    row = _table_row(security, "LAP TR", successful)
+    assert row[2] == "**98.64 ± 0.20**" and row[3] == "97.50 ± 0.20"
+    assert _table_row(security, "LAP NS", successful)[3] == "**98.50 ± 0.20**"  # NS best on BIM
+    assert _table_row(security, "VAN NS", successful)[2] == "98.00 ± 0.20"
+    # unseen, trained on FGM ε=0.1: the BIM column and the mean column
+    unseen = _table_row(security, "LAP NS", "Unseen attacks, trained on FGM ε=0.1 (seed table 39)")
+    assert unseen[1:] == ["61.50 ± 0.20", "61.50"]
+    # FPR: lower is better, so the best LAP TR (FPR 2.86%) is bold, VAN TR (4.99%) is not
+    fpr = "### False positive rate on clean test images (%)"
+    assert _table_row(security, "LAP TR", fpr)[2] == "**2.86**"
+    assert _table_row(security, "VAN TR", fpr)[2] == "4.99"
+    assert "Seen attacks (seed table 40):" in security
+    assert "| VAN NS " in _section(report, "Seen attacks") and "roc_nss_seen.png" in report
+    assert (run / "figures" / "roc_nss_seen.png").read_bytes()[:8] == PNG_MAGIC
+    for table in _tables(security):
+        assert len({len(line) for line in table}) == 1, table
+
+
+def test_deployed_detector_rates_shown_with_every_key_found(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    deployed = _section(write_report(run).read_text(), "Deployed detector")
+    assert "threshold 0.57" in deployed and "5.00% FPR on 900" in deployed
+    header = "| Set "
+    assert "successful flag rate (%)" in next(
+        ln for ln in deployed.splitlines() if ln.startswith(header)
+    )
+    assert _table_row(deployed, "clean (FPR)", header)[1:4] == ["", "4.80", "1000"]
+    # set, trained on, flagged, n, successful flag rate, seen protocol's calibrated TPR
+    assert _table_row(deployed, "FGM ε=0.1", header)[1:] == [
+        "yes",
+        "99.50",
+        "1000",
+        "99.71",
+        "96.14 ± 0.30",
+    ]
+    assert _table_row(deployed, "FGM ε=0.03", header)[1:] == ["no", "61.00", "200", "", ""]
+    assert _table_row(deployed, "digits", header)[1:4] == ["no", "41.25", "1000"]
+    names = [ln.split("|")[1].strip() for ln in deployed.splitlines() if ln.startswith("| ")]
+    assert names[2:] == ["clean (FPR)", "FGM ε=0.03", "FGM ε=0.1", "BIM", "digits"]
+
+
+def test_learning_curves_table_and_figure(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    report = write_report(run).read_text()
+    section = _section(report, "Learning curves")
+    assert _table_row(section, "LAP CW", "| Network attack")[1:] == [
+        "25",
+        "55.00 ± 2.00",
+        "58.00",
+        "5",
+    ]
+    assert _table_row(section, "LAP DF", "| Network attack")[1:3] == ["25", "52.00 ± 4.00"]
+    assert "62.12 ± 2.00" in section
+    assert "figures/learning_curve.png" in _links(section)
+    data = (run / "figures" / "learning_curve.png").read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000
+
+
+def test_report_without_deployable_or_curves_leaves_those_sections_out(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    (run / "detector" / "deployable.json").unlink()
+    results = json.loads((run / "results.json").read_text())
+    del results["learning_curves"]
+    (run / "results.json").write_text(json.dumps(results))
+    report = write_report(run).read_text()
+    assert "## Deployed detector" not in report and "## Learning curves" not in report
+    assert "## Security view" in report

@@ -21,18 +21,24 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from detector import __version__, artefacts
 from detector.errors import ArtefactError
-from training.plots import plot_feature_trajectories, plot_roc_curves, plot_transport_histograms
+from training.plots import (
+    plot_feature_trajectories,
+    plot_learning_curves,
+    plot_roc_curves,
+    plot_transport_histograms,
+)
 from training.rundir import RunDir
 
 NOT_RUN = "not run"
 CLEAN = "clean"
 OOD_PREFIX = "ood-"
+LEARNING_CURVE_FIGURE = "learning_curve.png"
 MODEL_ORDER = ("vanilla", "rce", "lap")
 MODEL_LABELS = {"vanilla": "VAN", "lap": "LAP", "rce": "RCE"}
 DETECTOR_ORDER = ("transport", "mahalanobis", "nss", "quantile")
@@ -385,13 +391,48 @@ def _runs_note(records: Sequence[Record]) -> str:
     return f"mean ± std over {'/'.join(map(str, runs))} runs" if runs else "single run"
 
 
-SEEN_METRICS = (
-    ("accuracy", True, "Detection accuracy (%) on a balanced test set"),
-    ("auroc", True, "AUROC (%)"),
-    ("successful_attack_detection_rate", True, "Detection rate of successful attacks (%)"),
-    ("fpr", False, "False positive rate on clean test images (%)"),
-    ("fpr_at_95_tpr", False, "FPR at 95% TPR (%)"),
+class Metric(NamedTuple):
+    """A metric of the protocol rows: its key, its direction and the tables' title."""
+
+    key: str
+    higher_is_better: bool
+    title: str
+    seed_tables: tuple[str, str] | None = None  # seed 003's (seen, unseen) tables of it
+
+
+ACCURACY = Metric("accuracy", True, "Detection accuracy (%) on a balanced test set")
+AUROC = Metric("auroc", True, "AUROC (%)", ("42", "43"))
+SUCCESSFUL = Metric(
+    "successful_attack_detection_rate",
+    True,
+    "Detection rate of successful adversarial images (%)",
+    ("38", "39"),
 )
+FPR = Metric("fpr", False, "False positive rate on clean test images (%)", ("40", "41"))
+FPR_AT_95_TPR = Metric("fpr_at_95_tpr", False, "FPR at 95% TPR (%)")
+SECURITY_METRICS = (SUCCESSFUL, FPR, AUROC, FPR_AT_95_TPR)
+
+
+def _attack_table(
+    records: Sequence[Record], rows: Sequence[tuple[str, str]], metric: Metric, *, mean: bool
+) -> list[str]:
+    """Rows x test attacks of one metric, best per column bold (and a mean column), then a blank."""
+    table = metric_table(
+        records,
+        rows=rows,
+        columns=order_sets(r["test_attack"] for r in records),
+        column_of=lambda r: r["test_attack"],
+        metric=metric.key,
+        higher_is_better=metric.higher_is_better,
+        mean_column=mean,
+    )
+    return [table, ""]
+
+
+def _by_train_attack(records: Sequence[Record]) -> list[tuple[str, list[Record]]]:
+    """The records grouped by training attack, in report order."""
+    trains = order_sets(r["train_attack"] for r in records)
+    return [(t, [r for r in records if r["train_attack"] == t]) for t in trains]
 
 
 def seen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> list[str]:
@@ -399,36 +440,11 @@ def seen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> 
     if not records:
         return lines + [f"Seen-attack protocol: {NOT_RUN}.", ""]
     lines += [
-        f"Train and test on the same attack; {_runs_note(records)}; best per column in bold.",
+        f"{ACCURACY.title}: train and test on the same attack; {_runs_note(records)}; best per "
+        "column in bold. The other metrics are in the security view below.",
         "",
     ]
-    return lines + _attack_tables(records, rows, SEEN_METRICS, prefix="", mean_column=False)
-
-
-def _attack_tables(
-    records: Sequence[Record],
-    rows: Sequence[tuple[str, str]],
-    metrics: Sequence[tuple[str, bool, str]],
-    *,
-    prefix: str,
-    mean_column: bool,
-) -> list[str]:
-    """One table per metric that any record has: rows x test attacks, best per column bold."""
-    columns = order_sets(r["test_attack"] for r in records)
-    lines: list[str] = []
-    for metric, higher, title in metrics:
-        if any(r.get(metric) is not None for r in records):
-            table = metric_table(
-                records,
-                rows=rows,
-                columns=columns,
-                column_of=lambda r: r["test_attack"],
-                metric=metric,
-                higher_is_better=higher,
-                mean_column=mean_column,
-            )
-            lines += [f"### {prefix}{title}", "", table, ""]
-    return lines
+    return lines + _attack_table(records, rows, ACCURACY, mean=False)
 
 
 def unseen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> list[str]:
@@ -436,14 +452,46 @@ def unseen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -
     if not records:
         return lines + [f"Unseen-attack protocol: {NOT_RUN}.", ""]
     lines += [
-        f"Train on one attack, test on the others; {_runs_note(records)}; "
+        f"{ACCURACY.title}: train on one attack, test on the others; {_runs_note(records)}; "
         "the last column averages over the test attacks (k/n when some are missing).",
         "",
     ]
-    for train in order_sets(r["train_attack"] for r in records):
-        subset = [r for r in records if r["train_attack"] == train]
-        prefix = f"Trained on {set_label(train)}: "
-        lines += _attack_tables(subset, rows, SEEN_METRICS[:4], prefix=prefix, mean_column=True)
+    for train, subset in _by_train_attack(records):
+        lines += [f"### Trained on {set_label(train)}", ""]
+        lines += _attack_table(subset, rows, ACCURACY, mean=True)
+    return lines
+
+
+def _seed_table(metric: Metric, setting: int) -> str:
+    return f" (seed table {metric.seed_tables[setting]})" if metric.seed_tables else ""
+
+
+def security_section(detection: Sequence[Record], rows: Sequence[tuple[str, str]]) -> list[str]:
+    """Seed appendix H.4–H.6 per metric: seen attacks, then unseen attacks per training attack."""
+    seen = [r for r in detection if r["setting"] == "seen"]
+    unseen = [r for r in detection if r["setting"] == "unseen"]
+    metrics = [m for m in SECURITY_METRICS if any(r.get(m.key) is not None for r in detection)]
+    if not metrics:
+        return []
+    lines = [
+        "## Security view (seed appendix H.4–H.6)",
+        "",
+        "Per attack: the share of *successful* adversarial test images (those the network "
+        "misclassifies) that the detector flags, the share of clean test images it flags (FPR), "
+        "both at the detector's own decision (its default threshold, else the threshold "
+        "calibrated on held-out clean images), the AUROC over all thresholds, and the FPR at "
+        f"the threshold that flags 95% of the attacked images; {_runs_note(detection)}; best "
+        "per column in bold (lowest for the FPRs).",
+        "",
+    ]
+    for metric in metrics:
+        lines += [f"### {metric.title}", ""]
+        if seen:
+            lines += [f"Seen attacks{_seed_table(metric, 0)}:", ""]
+            lines += _attack_table(seen, rows, metric, mean=False)
+        for train, subset in _by_train_attack(unseen):
+            lines += [f"Unseen attacks, trained on {set_label(train)}{_seed_table(metric, 1)}:", ""]
+            lines += _attack_table(subset, rows, metric, mean=True)
     return lines
 
 
@@ -463,19 +511,181 @@ def ood_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> l
         f"Train against one abnormal set (left of →), test on another (right); {_runs_note(records)}.",
         "",
     ]
-    for metric, higher, title in (SEEN_METRICS[0], SEEN_METRICS[1], SEEN_METRICS[4]):
-        if any(r.get(metric) is not None for r in records):
+    for metric in (ACCURACY, AUROC, FPR_AT_95_TPR):
+        if any(r.get(metric.key) is not None for r in records):
             table = metric_table(
                 records,
                 rows=rows,
                 columns=columns,
                 labels=labels,
-                metric=metric,
-                higher_is_better=higher,
+                metric=metric.key,
+                higher_is_better=metric.higher_is_better,
                 column_of=lambda r: f"{r['train_set']}__{r['test_set']}",
             )
-            lines += [f"### {title}", "", table, ""]
+            lines += [f"### {metric.title}", "", table, ""]
     return lines
+
+
+# ---- the shipped detector and the learning curves ----------------------------------------------
+
+_HELDOUT_COLUMNS = {"flag_rate": "flagged (%)", "n": "n"}
+
+
+def _is_count(key: str) -> bool:
+    return key == "n" or key.startswith("n_") or key.endswith("_n")
+
+
+def _set_mappings(block: Mapping[str, Any], group: str = "") -> Iterable[tuple[str, str, Any]]:
+    """(group, column, {set: number}) for every set-keyed mapping of a ``heldout`` block;
+    a mapping of such mappings (e.g. ``"ood": {"flag_rate": {...}, "n": {...}}``) is a group."""
+    for column, values in block.items():
+        if not isinstance(values, Mapping) or not values:
+            continue
+        if all(isinstance(v, Mapping) for v in values.values()):
+            yield from _set_mappings(values, group=column)
+        else:
+            yield group, column, values
+
+
+def heldout_table_data(
+    heldout: Mapping[str, Any], ood_names: Iterable[str] = ()
+) -> tuple[list[str], dict[str, dict[str, float]]]:
+    """(columns, {set: {column: value}}) from a deployable.json ``heldout`` block: every
+    ``{set: number}`` mapping is a column (``flag_rate``, ``n``, and whatever else it holds, e.g.
+    rates on successful images); the clean row reads ``fpr`` and ``n_clean``. Sets of an
+    ``ood`` group or named in ``ood_names`` are OOD sets (``ood-`` keys)."""
+    ood = set(ood_names)
+    columns: dict[str, None] = {"flag_rate": None, "n": None}
+    table: dict[str, dict[str, float]] = {}
+    if heldout.get("fpr") is not None:
+        table[CLEAN] = {"flag_rate": float(heldout["fpr"])}
+        if heldout.get("n_clean") is not None:
+            table[CLEAN]["n"] = float(heldout["n_clean"])
+    for group, column, values in _set_mappings(heldout):
+        columns[column] = None
+        for key, value in values.items():
+            if not isinstance(value, int | float):
+                continue
+            is_ood = (group == "ood" or key in ood) and not key.startswith(OOD_PREFIX)
+            table.setdefault(f"{OOD_PREFIX}{key}" if is_ood else key, {})[column] = float(value)
+    used = [c for c in columns if any(c in row for row in table.values())]
+    return used, {key: table[key] for key in order_sets(table)}
+
+
+def _heldout_header(column: str) -> str:
+    default = column.replace("_", " ") + ("" if _is_count(column) else " (%)")
+    return _HELDOUT_COLUMNS.get(column, default)
+
+
+def _heldout_cell(column: str, value: float | None) -> str:
+    if value is None:
+        return ""
+    return str(int(value)) if _is_count(column) else _percent(value)
+
+
+def deployed_section(
+    run_dir: Path, config: Mapping[str, Any], detection: Sequence[Record]
+) -> list[str]:
+    """The shipped detector's held-out flag rates at its calibrated threshold (deployable.json),
+    beside the seen protocol's detection rate at the calibrated threshold."""
+    from training.deployable import DEPLOYABLE_FILE
+
+    info = _read_json(RunDir(run_dir).detector_dir / DEPLOYABLE_FILE)
+    heldout = info.get("heldout")
+    if not isinstance(heldout, Mapping):
+        return []
+    columns, table = heldout_table_data(heldout, config.get("ood_test", ()))
+    kind, network = str(info.get("kind", "?")), str(info.get("network", "?"))
+    trained = set(info.get("train_attacks", []))
+    seen = {
+        r["test_attack"]: r
+        for r in detection
+        if r["setting"] == "seen" and r["model"] == network and r["detector"] == kind
+    }
+    header = ["Set", "trained on", *(_heldout_header(c) for c in columns)]
+    header.append(f"seen protocol {row_label(network, kind)}: TPR at calibrated threshold (%)")
+    rows = []
+    for key, values in table.items():
+        label = "clean (FPR)" if key == CLEAN else set_label(key)
+        role = "" if key == CLEAN else ("yes" if key in trained else "no")
+        cells = [_heldout_cell(c, values.get(c)) for c in columns]
+        protocol = format_cell(seen[key], "calibrated_tpr") if key in seen else ""
+        rows.append([label, role, *cells, protocol])
+    calibration = info.get("calibration", {})
+    return [
+        "## Deployed detector: held-out flag rates at the calibrated threshold",
+        "",
+        _calibration_note(kind, network, info, calibration),
+        "",
+        markdown_table(header, rows, left=2),
+        "",
+    ]
+
+
+def _calibration_note(
+    kind: str, network: str, info: Mapping[str, Any], calibration: Mapping[str, Any]
+) -> str:
+    threshold, target = calibration.get("threshold"), calibration.get("target_fpr")
+    achieved = calibration.get("achieved_fpr")
+    trained = ", ".join(set_label(k) for k in info.get("train_attacks", [])) or "?"
+    at = f"threshold {threshold:.4g}" if threshold is not None else "its threshold"
+    target_text = f"a {_percent(target)}% FPR" if target is not None else "the target FPR"
+    achieved_text = f", achieved {_percent(achieved)}%" if achieved is not None else ""
+    return (
+        f"The detector that ships in the bundle: {kind} on {MODEL_LABELS.get(network, network)}, "
+        f"trained on {trained}, flagging a score above {at}, calibrated for {target_text} on "
+        f"{calibration.get('n', '?')} held-out clean training-side images{achieved_text}. "
+        f"Rates are measured by the Guard (the server's scoring path) on the held-out test side "
+        f"(split seed {info.get('split_seed', '?')}, one run); n: images per set. The last "
+        "column is the seen protocol's rate for the same network and detector trained on that "
+        "attack alone (mean ± std over its runs)."
+    )
+
+
+def learning_curve_section(run_dir: Path, results: Mapping[str, Any]) -> list[str]:
+    """results.json's learning curves as a table and figures/learning_curve.png."""
+    curves = {
+        model: attacks
+        for model, attacks in (results.get("learning_curves") or {}).items()
+        if attacks
+    }
+    if not curves:
+        return []
+    rows, panels = [], {}
+    for model in order_models(curves):
+        label = MODEL_LABELS.get(model, model.upper())
+        panels[label] = {set_label(a): curves[model][a] for a in order_sets(curves[model])}
+        for attack in order_sets(curves[model]):
+            for point in curves[model][attack]:
+                rows.append(
+                    [
+                        f"{label} {set_label(attack)}",
+                        str(point["pairs"]),
+                        format_cell(point, "accuracy"),
+                        format_cell(point, "auroc") if "auroc" in point else "",
+                        str(point.get("runs", "")),
+                    ]
+                )
+    header = ["Network attack", "Training pairs", "Accuracy (%)", "AUROC (%)", "Runs"]
+    path = plot_learning_curves(
+        panels,
+        RunDir(run_dir).figures / LEARNING_CURVE_FIGURE,
+        title="Transport detector, seen attacks (mean ± std)",
+    )
+    note = (
+        "The transport detector fitted on nested subsets of an attack's training-side pairs "
+        "(attacked image + its clean source) and tested on the attack's whole test side, as the "
+        "seen protocol (its last row: all pairs); mean ± std over the runs."
+    )
+    return [
+        "## Learning curves",
+        "",
+        note,
+        "",
+        markdown_table(header, rows),
+        "",
+        *_figure_link(run_dir, path, "Detection accuracy vs number of training pairs"),
+    ]
 
 
 def summary_section(
@@ -687,6 +897,9 @@ def write_report(run_dir: Path) -> Path:
         *seen_section([r for r in detection if r["setting"] == "seen"], rows),
         *unseen_section([r for r in detection if r["setting"] == "unseen"], rows),
         *ood_section(ood, rows),
+        *security_section(detection, rows),
+        *deployed_section(run_dir, config, detection),
+        *learning_curve_section(run_dir, results),
         *timing_section(results),
         *(["## Figures", "", *figures] if figures else []),
         *notes_section(run_dir, config, models, scores),
