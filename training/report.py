@@ -3,14 +3,17 @@
 Reads only the run directory's files (DESIGN.md §5; paths from training/rundir.py)::
 
     pipeline_config.json                     preset name, data set, optional "not_run" attacks
-    results.json                             models, attacks, detection and OOD rows, timing
+    results.json                             models, attacks, detection and OOD rows, learning
+                                             curves, timing
+    detector/deployable.json                 the shipped detector's held-out flag rates
     models/<model>/                          per-epoch training metrics (final transport cost)
     features/<model>/<set>.npz               features [N, 2M] (+ feature_names), logits
     scores/<model>/<detector>/<setting>/<train>__<test>.npz   is_abnormal, scores (first seed)
 
 Tables follow seed 003 tables 12–15: rows "<NETWORK> <DETECTOR>" (e.g. "VAN TR", "LAP MH"),
 columns the attacks or data sets, cells "mean ± std" in percent over the protocol's runs, the best
-cell of each column in bold. Pieces that a run does not have are reported as "not run".
+cell of each column in bold; the security view follows seed appendix H.4–H.6 (tables 38–43).
+Pieces that a run does not have are reported as "not run" or left out.
 """
 
 from __future__ import annotations
