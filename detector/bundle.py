@@ -28,7 +28,7 @@ from detector.artefacts import sha256_file, write_text
 from detector.base import Detector
 from detector.calibration import Calibration
 from detector.errors import ArtefactError, ConfigError
-from detector.features import FeatureSpec, feature_names
+from detector.features import FeatureSpec
 from detector.networks import (
     WEIGHTS_FILE,
     InputSpec,
@@ -58,6 +58,8 @@ class DetectorSpec(BaseModel):
     taps: list[str] | None = None
     extra_directions: int = Field(default=0, ge=0)
     line_shape: bool = False
+    embeddings: bool = False
+    head: bool = False
 
     @property
     def feature_spec(self) -> FeatureSpec:
@@ -66,6 +68,8 @@ class DetectorSpec(BaseModel):
             taps=tuple(self.taps) if self.taps is not None else None,
             extra_directions=self.extra_directions,
             line_shape=self.line_shape,
+            embeddings=self.embeddings,
+            head=self.head,
         )
 
     @field_validator("kind")
@@ -161,28 +165,28 @@ def write_bundle(
     version: str = "1",
     dataset: str,
     metrics: dict[str, float] | None = None,
-    taps: list[str] | None = None,
-    extra_directions: int = 0,
-    line_shape: bool = False,
+    features: FeatureSpec | None = None,
     input_spec: InputSpec | None = None,
 ) -> Path:
     """Write a bundle directory from a saved network (``network_dir``) and a fitted detector.
 
-    ``extra_directions``/``line_shape`` must be those the detector's features were extracted
-    with; ``input_spec`` overrides the network's (e.g. ``resize="strict"``). Returns ``out_dir``.
+    ``features`` must be the spec the detector's features were extracted with (default: the
+    residues of the network's default taps); ``input_spec`` overrides the network's (e.g.
+    ``resize="strict"``). Returns ``out_dir``.
     """
+    spec = features or FeatureSpec()
     network_dir = Path(network_dir)
     config = read_config(network_dir)
     weights = network_dir / WEIGHTS_FILE
     if not weights.is_file():
         raise ArtefactError(f"no weights at {weights}")
-    tap_list = list(taps) if taps is not None else default_tap_names(build_network(config))
-    names = feature_names(len(tap_list), extra_directions=extra_directions, line_shape=line_shape)
+    tap_list = list(spec.taps) if spec.taps is not None else default_tap_names(build_network(config))
+    names = spec.names(len(tap_list))
     arrays, params = detector.to_arrays()
     if params.get("n_features_in") != len(names):
         raise ArtefactError(
             f"the detector was fitted on {params.get('n_features_in')} features but this network "
-            f"gives {len(names)} ({len(tap_list)} blocks, extra_directions={extra_directions}, line_shape={line_shape})"
+            f"gives {len(names)} ({len(tap_list)} blocks, features {spec.label()})"
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -201,9 +205,11 @@ def write_bundle(
             kind=detector_kind(detector),
             params=params,
             feature_names=names,
-            taps=list(taps) if taps is not None else None,
-            extra_directions=extra_directions,
-            line_shape=line_shape,
+            taps=list(spec.taps) if spec.taps is not None else None,
+            extra_directions=spec.extra_directions,
+            line_shape=spec.line_shape,
+            embeddings=spec.embeddings,
+            head=spec.head,
         ),
         threshold=float(calibration.threshold),
         target_fpr=float(calibration.target_fpr),
@@ -272,9 +278,7 @@ def load_bundle(path: str | Path, *, device: str | torch.device = "cpu") -> Bund
     detector = detector_class(spec.kind).from_arrays(arrays, spec.params)
     n_features = spec.params.get("n_features_in")
     n_blocks = len(spec.taps) if spec.taps is not None else len(default_tap_names(model))
-    expected = feature_names(
-        n_blocks, extra_directions=spec.extra_directions, line_shape=spec.line_shape
-    )
+    expected = spec.feature_spec.names(n_blocks)
     if n_features != len(expected) or spec.feature_names != expected:
         raise ArtefactError(
             f"bundle detector takes {n_features} features named {spec.feature_names[:4]}..., "

@@ -6,9 +6,11 @@ copy, no flatten of a non-contiguous tensor), so the residual itself is never ke
 
     msq_m = sum(r^2) / d        cos_m = sum(r) / (||r|| * sqrt(d))     (0 when r = 0)
 
-Optional extras: cosines to further fixed +-1 directions (seeded, balanced Rademacher signs,
-orthogonal to 1 and nearly orthogonal to each other) and the line-shape score of the trajectory
-(seed 001, eq. 43-44).
+Optional extras (:class:`FeatureSpec`): cosines to further fixed +-1 directions (seeded, balanced
+Rademacher signs, orthogonal to 1 and nearly orthogonal to each other); the same statistics of the
+embeddings x_{m+1} (each block's output; seed 003 §5.3.1 allows embeddings as well as residues);
+the line-shape score of the trajectory (seed 001, eq. 43-44); and where the trajectory ends for
+the classifier (head: top-1 minus top-2 logit margin, max softmax probability, log-sum-exp).
 """
 
 from __future__ import annotations
@@ -21,33 +23,53 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from detector.errors import InputError
+from detector.errors import ConfigError, InputError
 from detector.networks import resolve_device
 from detector.taps import ResidualTaps, Tap, Taps
 
 DIRECTION_SEED = 20240601
 LINE_SHAPE = "line_shape"
+HEAD_NAMES = ("head_margin", "head_maxprob", "head_logsumexp")
+
+
+def _group_names(prefix: str, n_blocks: int, extra_directions: int) -> list[str]:
+    names = [f"{prefix}{kind}_{m}" for m in range(n_blocks) for kind in ("msq", "cos")]
+    return names + [
+        f"{prefix}cos_{m}_dir{j}" for m in range(n_blocks) for j in range(1, extra_directions + 1)
+    ]
 
 
 def feature_names(
-    n_blocks: int, *, extra_directions: int = 0, line_shape: bool = False
+    n_blocks: int,
+    *,
+    extra_directions: int = 0,
+    line_shape: bool = False,
+    embeddings: bool = False,
+    head: bool = False,
 ) -> list[str]:
-    """Column names, block-major: msq_0, cos_0, msq_1, cos_1, ..., then cos_{m}_dir{j}, then line_shape."""
-    names = [f"{kind}_{m}" for m in range(n_blocks) for kind in ("msq", "cos")]
-    names += [f"cos_{m}_dir{j}" for m in range(n_blocks) for j in range(1, extra_directions + 1)]
+    """Column names, block-major: msq_0, cos_0, msq_1, cos_1, ..., cos_{m}_dir{j}; then with
+    ``embeddings`` the same named emb_*; then line_shape; then the head columns."""
+    names = _group_names("", n_blocks, extra_directions)
+    if embeddings:
+        names += _group_names("emb_", n_blocks, extra_directions)
     if line_shape:
         names.append(LINE_SHAPE)
+    if head:
+        names += HEAD_NAMES
     return names
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
     """How transport features are computed: which residual taps (None: the network's default
-    ones), how many extra +-1 directions, and whether the line-shape score is appended."""
+    ones), how many extra +-1 directions, and which groups are appended: the embeddings' statistics,
+    the line-shape score, the head's (logit margin, max probability, log-sum-exp)."""
 
     taps: tuple[str, ...] | None = None
     extra_directions: int = 0
     line_shape: bool = False
+    embeddings: bool = False
+    head: bool = False
 
     def __post_init__(self) -> None:
         if self.taps is not None and not isinstance(self.taps, tuple):
@@ -58,8 +80,31 @@ class FeatureSpec:
     def names(self, n_blocks: int) -> list[str]:
         """Column names of the features of a network with ``n_blocks`` taps."""
         return feature_names(
-            n_blocks, extra_directions=self.extra_directions, line_shape=self.line_shape
+            n_blocks,
+            extra_directions=self.extra_directions,
+            line_shape=self.line_shape,
+            embeddings=self.embeddings,
+            head=self.head,
         )
+
+    def label(self) -> str:
+        """A short name: 'residues', '+emb', '+dir4', '+line', '+head' joined."""
+        parts = ["residues"]
+        parts += ["emb"] if self.embeddings else []
+        parts += [f"dir{self.extra_directions}"] if self.extra_directions else []
+        parts += ["line"] if self.line_shape else []
+        parts += ["head"] if self.head else []
+        return "+".join(parts)
+
+
+def embedding_tap(residual_tap: str) -> str:
+    """The block whose output is the embedding x_{m+1}: the residual tap's parent module."""
+    if "." not in residual_tap:
+        raise ConfigError(
+            f"residual tap {residual_tap!r} has no parent module: its block's output (the "
+            "embedding) cannot be tapped; use FeatureSpec(embeddings=False)"
+        )
+    return residual_tap.rsplit(".", 1)[0]
 
 
 def sign_directions(dim: int, count: int, *, seed: int = DIRECTION_SEED) -> torch.Tensor:
@@ -95,6 +140,12 @@ class TransportFeatureExtractor:
         self.extra_directions = int(self.spec.extra_directions)
         self.line_shape = bool(self.spec.line_shape)
         self._taps = ResidualTaps(model, self.spec.taps, transform=self._reduce)
+        self._embedding_taps = Taps(
+            model,
+            [Tap(embedding_tap(name)) for name in self._taps.names] if self.spec.embeddings else [],
+            transform=self._statistics,
+        )
+        self._head = Taps(model, [Tap("", "output")], transform=head_statistics)
         # Every forward pass of the model starts a new trajectory (line shape).
         self._pass_start = Taps(model, [Tap("", "input")], transform=self._new_pass)
         self._directions: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
@@ -115,16 +166,25 @@ class TransportFeatureExtractor:
         return self.spec.names(self.n_blocks)
 
     def __enter__(self) -> TransportFeatureExtractor:
-        self._taps.clear()  # never serve a previous context's values
+        for taps in self._all_taps:
+            taps.clear()  # never serve a previous context's values
         self._new_pass()
         self._taps.__enter__()
+        if self.spec.embeddings:
+            self._embedding_taps.__enter__()
+        if self.spec.head:
+            self._head.__enter__()
         if self.line_shape:
             self._pass_start.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._taps.__exit__(*exc)
-        self._pass_start.__exit__(*exc)
+        for taps in (*self._all_taps, self._pass_start):
+            taps.__exit__(*exc)
+
+    @property
+    def _all_taps(self) -> tuple[Taps, ...]:
+        return (self._taps, self._embedding_taps, self._head)
 
     def _new_pass(self, _inputs: torch.Tensor | None = None) -> bool:
         self._unit_sums = {}
@@ -141,6 +201,16 @@ class TransportFeatureExtractor:
 
     def _reduce(self, r: torch.Tensor) -> torch.Tensor:
         """Per-sample [msq, cos, cos_dir1..k] of one residual tensor (runs inside the hook)."""
+        columns, norm = self._columns(r)
+        if self.line_shape:
+            self._accumulate_unit(r, norm)
+        return torch.stack(columns, dim=1)
+
+    def _statistics(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-sample [msq, cos, cos_dir1..k] of one embedding tensor (runs inside the hook)."""
+        return torch.stack(self._columns(x)[0], dim=1)
+
+    def _columns(self, r: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         dims = tuple(range(1, r.ndim))
         d = math.prod(r.shape[1:])
         total = r.sum(dim=dims, dtype=torch.float32)
@@ -157,9 +227,7 @@ class TransportFeatureExtractor:
                 denominator[:, None] > 0, projections.float() / safe[:, None], 0.0
             )
             columns.extend(cosines.unbind(1))
-        if self.line_shape:
-            self._accumulate_unit(r, norm)
-        return torch.stack(columns, dim=1)
+        return columns, norm
 
     def _accumulate_unit(self, r: torch.Tensor, norm: torch.Tensor) -> None:
         shape = (r.shape[0], *r.shape[1:])
@@ -185,14 +253,34 @@ class TransportFeatureExtractor:
 
     def features(self) -> torch.Tensor:
         """Features of the last forward pass: float32 [N, F], columns as :attr:`feature_names`."""
-        per_block = torch.stack(self._taps.outputs, dim=1)  # [N, M, 2 + k]
-        n = per_block.shape[0]
-        parts = [per_block[:, :, :2].reshape(n, -1)]
-        if self.extra_directions:
-            parts.append(per_block[:, :, 2:].reshape(n, -1))
+        parts = _group_columns(self._taps.outputs)
+        if self.spec.embeddings:
+            parts += _group_columns(self._embedding_taps.outputs)
         if self.line_shape:
             parts.append(self.line_shape_score().unsqueeze(1))
+        if self.spec.head:
+            parts.append(self._head.outputs[0])
         return torch.cat(parts, dim=1)
+
+
+def _group_columns(per_tap: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[msq, cos] of every block, then every block's direction cosines (block-major)."""
+    per_block = torch.stack(per_tap, dim=1)  # [N, M, 2 + k]
+    n = per_block.shape[0]
+    parts = [per_block[:, :, :2].reshape(n, -1)]
+    if per_block.shape[2] > 2:
+        parts.append(per_block[:, :, 2:].reshape(n, -1))
+    return parts
+
+
+def head_statistics(logits: torch.Tensor) -> torch.Tensor:
+    """Per-sample [top-1 minus top-2 logit, max softmax probability, log-sum-exp] (float32)."""
+    z = logits.float()
+    if z.shape[1] < 2:
+        raise ConfigError("head features need at least two classes")
+    top = z.topk(2, dim=1).values
+    lse = torch.logsumexp(z, dim=1)
+    return torch.stack([top[:, 0] - top[:, 1], torch.exp(top[:, 0] - lse), lse], dim=1)
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -140,7 +140,7 @@ class QuantileDetector(Detector):
 
     def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> QuantileDetector:
         """Fit the band on the clean samples' features; ``abnormal`` is ignored (zero-shot)."""
-        return self.fit(clean.features)
+        return self.fit(clean.features, feature_names=getattr(clean, "feature_names", None))
 
     def score_samples(self, samples: SampleSet) -> np.ndarray:
         """:meth:`score` of the samples' features: HIGHER = MORE ABNORMAL."""

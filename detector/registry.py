@@ -19,7 +19,13 @@ from detector.base import ARRAYS_FILE, PARAMS_FILE, Detector, DetectorInfo
 from detector.errors import ArtefactError, ConfigError
 
 # Modules whose detectors register themselves on import; a new detector module goes here.
-BUILTIN_MODULES = ("detector.forest", "detector.mahalanobis", "detector.nss", "detector.quantile")
+BUILTIN_MODULES = (
+    "detector.forest",
+    "detector.mahalanobis",
+    "detector.nss",
+    "detector.quantile",
+    "detector.novelty",
+)
 
 D = TypeVar("D", bound=type[Detector])
 _DETECTORS: dict[str, type[Detector]] = {}

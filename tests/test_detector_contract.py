@@ -28,6 +28,8 @@ SMALL = {
     "mahalanobis": {"magnitudes": (0.0, 0.01), "n_estimators": 20, "selection_samples": 100},
     "nss": {"n_estimators": 20},
     "quantile": {},
+    "novelty": {},
+    "ensemble": {"n_estimators": 20},
 }
 
 
@@ -47,9 +49,18 @@ def image_sets() -> dict[str, np.ndarray]:
 
 
 def test_registry_lists_every_detector_with_its_metadata() -> None:
-    assert list_detectors() == ["mahalanobis", "nss", "quantile", "transport"]
-    assert list_detectors(servable=True) == ["quantile", "transport"]
+    assert list_detectors() == [
+        "ensemble",
+        "mahalanobis",
+        "novelty",
+        "nss",
+        "quantile",
+        "transport",
+    ]
+    assert list_detectors(servable=True) == ["ensemble", "novelty", "quantile", "transport"]
     assert {n: detector_info(n).short_name for n in list_detectors()} == {
+        "ensemble": "TR+NV",
+        "novelty": "NV",
         "mahalanobis": "MH",
         "nss": "NS",
         "quantile": "QT",
@@ -110,7 +121,7 @@ def test_every_detector_fits_and_scores_through_the_contract(
 
 def test_bundles_hold_only_servable_detectors() -> None:
     assert detector_kind(get_detector("quantile")) == "quantile"
-    with pytest.raises(ArtefactError, match="bundles hold quantile or transport detectors"):
+    with pytest.raises(ArtefactError, match="bundles hold ensemble or novelty or quantile or transport detectors"):
         detector_kind(get_detector("nss"))
     spec = {"params": {}, "feature_names": ["msq_0", "cos_0"]}
     assert DetectorSpec(kind="transport", **spec).feature_spec == FeatureSpec()

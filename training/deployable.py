@@ -9,6 +9,7 @@ flag rates, split) and ``heldout_scores.npz`` (the Guard's score of every held-o
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from detector.base import Detector
 from detector.bundle import write_bundle
 from detector.calibration import Calibration
 from detector.errors import ArtefactError, ConfigError
+from detector.features import FeatureSpec
 from detector.guard import Guard
 from detector.registry import detector_info, get_detector, list_detectors, load_detector
 from training.experiments import Samples, Split, concat
@@ -35,10 +37,13 @@ def deployable_detectors() -> list[str]:
     return list_detectors(servable=True)
 
 
-def fit_deployable(run: PipelineRun, detector: str = "transport") -> Path:
-    """Fit detector ``detector`` on the deploy network's training side (seed-0 split) of the
-    deploy attacks, calibrate it at the config's target FPR on held-out clean images, and
-    measure its flag rates on the test side, all scored by the Guard. Cached per detector."""
+def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
+    """Fit detector ``detector`` (default: the config's ``deploy_detector``) on the deploy
+    network's training side (seed-0 split) of the deploy attacks, in the feature set chosen for
+    that network, calibrate it at the config's target FPR on held-out clean images, and measure
+    its flag rates on the test side of every attack set and on every OOD set, all scored by the
+    Guard. Cached per detector."""
+    detector = detector or run.config.deploy_detector
     if detector not in deployable_detectors():
         raise ConfigError(
             f"detector {detector!r} cannot be deployed; choose one of {deployable_detectors()}"
@@ -54,14 +59,18 @@ def fit_deployable(run: PipelineRun, detector: str = "transport") -> Path:
     fitted = on_all_cores(get_detector(detector)).fit_samples(
         split.train(data.clean), concat([split.train(data.attacks[k]) for k in keys])
     )
-    guard = Guard.from_run(run.model(name), fitted, np.inf, device=run.device)
+    spec = run.feature_spec(name)
+    guard = Guard.from_run(run.model(name), fitted, np.inf, features=spec, device=run.device)
     calibration = Calibration.from_scores(
         _guard_scores(guard, split.calibration(data.clean)).astype(np.float64),
         config.target_fpr,
         default_vote_threshold=detector_info(detector).default_threshold or 0.5,
     )
     scores = {"clean": _guard_scores(guard, split.test(data.clean))}
-    scores.update({k: _guard_scores(guard, split.test(data.attacks[k])) for k in keys})
+    held_out = {k: split.test(v) for k, v in data.attacks.items()}
+    scores.update({k: _guard_scores(guard, v) for k, v in held_out.items()})
+    scores.update({f"ood-{k}": _guard_scores(guard, v) for k, v in data.ood.items()})
+    successful = {k: np.asarray(v.success, bool) for k, v in held_out.items()}
     fitted.save(out)
     artefacts.save_npz(out / HELDOUT_SCORES_FILE, **scores)
     artefacts.write_json(
@@ -71,7 +80,8 @@ def fit_deployable(run: PipelineRun, detector: str = "transport") -> Path:
             "network": name,
             "train_attacks": keys,
             "calibration": calibration.to_dict(),
-            "heldout": _heldout_rates(scores, calibration.threshold),
+            "features": asdict(spec),
+            "heldout": _heldout_rates(scores, successful, calibration.threshold),
             "split_seed": SPLIT_SEED,
             "test_fraction": config.test_fraction,
         },
@@ -84,14 +94,22 @@ def _guard_scores(guard: Guard, samples: Samples) -> np.ndarray:
     return guard.predict(samples.images).scores
 
 
-def _heldout_rates(scores: dict[str, np.ndarray], threshold: float) -> dict[str, Any]:
-    """FPR on held-out clean images and the flag rate of each attack's held-out images."""
-    attacks = {k: v for k, v in scores.items() if k != "clean"}
+def _heldout_rates(
+    scores: dict[str, np.ndarray], successful: dict[str, np.ndarray], threshold: float
+) -> dict[str, Any]:
+    """FPR on held-out clean images; the flag rate of each attack's held-out images and of each
+    OOD set (keys ``ood-<name>``); and each attack's flag rate on its successful images only."""
+    sets = {k: v for k, v in scores.items() if k != "clean"}
     return {
         "fpr": float(np.mean(scores["clean"] > threshold)),
         "n_clean": len(scores["clean"]),
-        "flag_rate": {k: float(np.mean(v > threshold)) for k, v in attacks.items()},
-        "n": {k: len(v) for k, v in attacks.items()},
+        "flag_rate": {k: float(np.mean(v > threshold)) for k, v in sets.items()},
+        "n": {k: len(v) for k, v in sets.items()},
+        "successful_flag_rate": {
+            k: float(np.mean(scores[k][m] > threshold)) if m.any() else None
+            for k, m in successful.items()
+        },
+        "n_successful": {k: int(m.sum()) for k, m in successful.items()},
     }
 
 
@@ -109,8 +127,14 @@ def load_deployable(run: str | Path) -> tuple[Detector, Calibration, dict[str, A
 def bundle_metrics(run: str | Path, info: dict[str, Any]) -> dict[str, float]:
     """Headline metrics of the bundle: held-out rates, test accuracy, seen detection means."""
     metrics: dict[str, float] = {"heldout_fpr": info["heldout"]["fpr"]}
+    heldout = info["heldout"]
+    metrics.update({f"heldout_flag_rate_{key}": rate for key, rate in heldout["flag_rate"].items()})
     metrics.update(
-        {f"heldout_flag_rate_{key}": rate for key, rate in info["heldout"]["flag_rate"].items()}
+        {
+            f"heldout_successful_flag_rate_{key}": rate
+            for key, rate in heldout.get("successful_flag_rate", {}).items()
+            if rate is not None
+        }
     )
     results_path = RunDir(run).results_file
     if results_path.is_file():
@@ -140,4 +164,5 @@ def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
         name=f"lapguard-{config.name}-{info['network']}",
         dataset=config.dataset,
         metrics=bundle_metrics(run, info),
+        features=FeatureSpec(**info.get("features", {})),
     )

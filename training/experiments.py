@@ -53,6 +53,7 @@ class Samples:
     extra: dict[str, np.ndarray] = field(
         default_factory=dict
     )  # other detectors' row-aligned features
+    feature_names: tuple[str, ...] | None = None  # the feature columns' names, when known
 
     def take(self, mask: np.ndarray) -> Samples:
         return Samples(
@@ -63,6 +64,7 @@ class Samples:
             self.indices[mask],
             None if self.success is None else self.success[mask],
             {k: v[mask] for k, v in self.extra.items()},
+            self.feature_names,
         )
 
     def __len__(self) -> int:
@@ -82,6 +84,7 @@ def concat(parts: Sequence[Samples], name: str = "mixed") -> Samples:
         np.concatenate([p.indices for p in parts]),
         success,
         {k: np.concatenate([p.extra[k] for p in parts]) for k in shared},
+        parts[0].feature_names if parts else None,
     )
 
 
@@ -377,6 +380,13 @@ def evaluate_fitted(
     metrics["calibrated_fpr"] = float(at_calibrated["fpr"])
     metrics["n_test"] = float(len(scores))
     return Outcome(metrics, is_abnormal, scores)
+
+
+def on_all_cores(detector: Detector) -> Detector:
+    """The detector fitting on every core when it has an ``n_jobs`` (same results, less time)."""
+    if "n_jobs" in detector.get_params():
+        detector.set_params(n_jobs=-1)
+    return detector
 
 
 def save_first_scores(records: Sequence[ExperimentRecord], directory: Path) -> None:

@@ -20,11 +20,12 @@ import torch
 from detector import artefacts, networks
 from detector.base import Detector
 from detector.errors import ArtefactError, ConfigError
-from detector.features import TransportFeatureExtractor, extract_features
+from detector.features import FeatureSpec, TransportFeatureExtractor, extract_features
 from detector.registry import get_detector
 from training import adversarial
 from training.data import load_dataset, load_ood, to_arrays
-from training.experiments import Samples, run_protocols, save_first_scores
+from training.feature_selection import restrict, select_features, spec_columns, union_spec
+from training.experiments import Samples, on_all_cores, run_protocols, save_first_scores
 from training.presets import get_train_preset
 from training.presets.pipelines import PipelineConfig
 from training.rundir import RunDir
@@ -92,6 +93,9 @@ class PipelineRun:
         self._images: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._sets: dict[str, dict[str, adversarial.AdversarialSet]] = {}
         self._samples: dict[str, NetworkSamples] = {}
+        self._specs: dict[str, FeatureSpec] = {}
+        self.candidates = [options.spec() for options in config.feature_candidates]
+        self.union = union_spec(self.candidates)
 
     @classmethod
     def open(
@@ -109,7 +113,7 @@ class PipelineRun:
     def test_images(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(images, labels, source indices) of the test images every attack of ``name`` uses."""
         if name not in self._images:
-            n_max = max(a.n for a in self.config.attacks)
+            n_max = max(a.n_for(name) for a in self.config.attacks)
             self._images[name] = adversarial.attack_images(
                 self.dir.model(name), split="test", n=n_max, seed=0, root=self.root
             )
@@ -123,9 +127,9 @@ class PipelineRun:
                 spec.key: adversarial.get_or_generate(
                     self.dir.attacks(name),
                     self.model(name),
-                    x[: spec.n],
-                    y[: spec.n],
-                    indices[: spec.n],
+                    x[: spec.n_for(name)],
+                    y[: spec.n_for(name)],
+                    indices[: spec.n_for(name)],
                     spec.attack,
                     spec.params,
                     seed=0,
@@ -137,10 +141,41 @@ class PipelineRun:
         return self._sets[name]
 
     def samples(self, name: str) -> NetworkSamples:
-        """Clean, attacked and OOD samples of network ``name`` with their (cached) features."""
+        """Clean, attacked and OOD samples of network ``name`` with their (cached) features, in
+        the columns of the feature set chosen for it (:meth:`feature_spec`)."""
         if name not in self._samples:
-            self._samples[name] = self._collect(name)
+            full = self._collect(name)
+            names = self.union.names(self._blocks(name))
+            columns = spec_columns(self.feature_spec(name, full), names)
+            self._samples[name] = NetworkSamples(
+                restrict(full.clean, columns, names),
+                {k: restrict(v, columns, names) for k, v in full.attacks.items()},
+                {k: restrict(v, columns, names) for k, v in full.ood.items()},
+                full.timing,
+            )
         return self._samples[name]
+
+    def _blocks(self, name: str) -> int:
+        return TransportFeatureExtractor(self.model(name), self.union).n_blocks
+
+    def feature_spec(self, name: str, full: NetworkSamples | None = None) -> FeatureSpec:
+        """The feature set network ``name``'s detectors use: the only candidate, or the one the
+        training side picks (:func:`training.feature_selection.select_features`, cached)."""
+        if name not in self._specs:
+            if len(self.candidates) == 1:
+                self._specs[name] = self.candidates[0]
+            else:
+                full = full or self._collect(name)
+                self._specs[name], _ = select_features(
+                    self.candidates,
+                    self.union.names(self._blocks(name)),
+                    full.clean,
+                    {k: full.attacks[k] for k in self.config.seen_keys},
+                    detector=self.config.selection_detector,
+                    test_fraction=self.config.test_fraction,
+                    out=self.dir.feature_selection(name),
+                )
+        return self._specs[name]
 
     def _collect(self, name: str) -> NetworkSamples:
         x, _, indices = self.test_images(name)
@@ -166,19 +201,24 @@ class PipelineRun:
     ) -> tuple[np.ndarray, np.ndarray, float]:
         """(features, predicted labels, seconds) of ``images``, cached under the ``source`` key."""
         path = self.dir.features(name, set_name)
+        model = self.model(name)
+        names = TransportFeatureExtractor(model, self.union).feature_names
         if path.is_file():
             cached = artefacts.load_npz(path)
-            if str(cached["source"]) == source and len(cached["features"]) == len(images):
+            if (
+                str(cached["source"]) == source
+                and len(cached["features"]) == len(images)
+                and list(cached["feature_names"]) == names
+            ):
                 return cached["features"], cached["logits"].argmax(1), float(cached["seconds"])
-        model = self.model(name)
         started = time.perf_counter()
-        features, logits = extract_features(model, images, device=self.device)
+        features, logits = extract_features(model, images, device=self.device, spec=self.union)
         seconds = time.perf_counter() - started
         artefacts.save_npz(
             path,
             features=features,
             logits=logits,
-            feature_names=np.array(TransportFeatureExtractor(model).feature_names),
+            feature_names=np.array(names),
             source=np.array(source),
             seconds=np.array(seconds),
         )
@@ -251,13 +291,6 @@ def _protocol_detectors(run: PipelineRun, name: str, data: NetworkSamples) -> li
     return detectors
 
 
-def on_all_cores(detector: Detector) -> Detector:
-    """The detector fitting on every core when it has an ``n_jobs`` (same results, less time)."""
-    if "n_jobs" in detector.get_params():
-        detector.set_params(n_jobs=-1)
-    return detector
-
-
 def _add_precomputed(run: PipelineRun, name: str, detector: Any, samples: Samples) -> None:
     """A network-reading detector's per-row arrays of a sample set, computed once and cached."""
     path = run.dir.mahalanobis_features(name, samples.name)
@@ -277,7 +310,9 @@ def _noisy_copies(run: PipelineRun, name: str, eps: float = 0.1) -> Samples:
     images = np.clip(
         clean.images + rng.uniform(-eps, eps, clean.images.shape).astype(np.float32), 0, 1
     )
-    features, logits = extract_features(run.model(name), images, device=run.device)
+    features, logits = extract_features(
+        run.model(name), images, device=run.device, spec=run.feature_spec(name)
+    )
     return Samples("noise", images, features, logits.argmax(1), clean.indices)
 
 
@@ -287,7 +322,7 @@ def _feature_timing(
     """Transport vs Mahalanobis feature-extraction time on the same images (seed §5.4.6)."""
     model, images = run.model(name), run.samples(name).clean.images[:n]
     started = time.perf_counter()
-    extract_features(model, images, device=run.device)
+    extract_features(model, images, device=run.device, spec=run.feature_spec(name))
     timings = {
         "timing_images": float(len(images)),
         "transport_feature_seconds": time.perf_counter() - started,

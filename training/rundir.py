@@ -179,6 +179,10 @@ class RunDir:
         """``features/<name>/<set>.npz``."""
         return self.feature_dir(name) / f"{set_name}.npz"
 
+    def feature_selection(self, name: str) -> Path:
+        """``features/<name>/selection.json``: the candidate feature sets' validation scores."""
+        return self.feature_dir(name) / "selection.json"
+
     def mahalanobis_features(self, name: str, set_name: str) -> Path:
         """``features/<name>/mahalanobis/<set>.npz``."""
         return self.feature_dir(name) / MAHALANOBIS_DIR / f"{set_name}.npz"
