@@ -180,7 +180,9 @@ def write_bundle(
     weights = network_dir / WEIGHTS_FILE
     if not weights.is_file():
         raise ArtefactError(f"no weights at {weights}")
-    tap_list = list(spec.taps) if spec.taps is not None else default_tap_names(build_network(config))
+    tap_list = (
+        list(spec.taps) if spec.taps is not None else default_tap_names(build_network(config))
+    )
     names = spec.names(len(tap_list))
     arrays, params = detector.to_arrays()
     if params.get("n_features_in") != len(names):

@@ -10,7 +10,7 @@ samples that are closer -- the empirical CDF of the clean distances, in [0, 1]: 
 ABNORMAL, about uniform on clean inputs, 1 beyond every clean sample.
 
 ``EnsembleDetector`` flags what the forests flag OR what lies in the far tail of clean:
-score = max(forest vote fraction, clip((u - (1 - tail)) / tail, 0, 1)), so at the default
+score = max(forest vote fraction, clip(1 - (1 - u) / tail, 0, 1)), so at the default
 threshold 0.5 the novelty part spends ``tail / 2`` of the false-positive budget; the bundle's
 threshold is calibrated on the combined score. Both travel as arrays + JSON, never pickles.
 """
@@ -95,7 +95,9 @@ class NoveltyScorer(nn.Module):
         own = squared.gather(1, labels.clamp(0, k - 1)[:, None])[:, 0]
         return torch.where(inside & torch.isfinite(own), own, nearest)
 
-    def forward(self, features: torch.Tensor, predicted: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, predicted: torch.Tensor | None = None
+    ) -> torch.Tensor:
         d = self.distance(features, predicted)
         rank = torch.searchsorted(self.reference, d.contiguous(), right=True)
         return rank.to(torch.float32) / self.reference.numel()
@@ -227,9 +229,11 @@ class EnsembleScorer(nn.Module):
         self.novelty = novelty
         self.tail = float(tail)
 
-    def forward(self, features: torch.Tensor, predicted: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, predicted: torch.Tensor | None = None
+    ) -> torch.Tensor:
         u = self.novelty(features, predicted)
-        ramp = torch.clamp((u - (1.0 - self.tail)) / self.tail, 0.0, 1.0)
+        ramp = torch.clamp(1.0 - (1.0 - u) / self.tail, 0.0, 1.0)  # exactly 1 at u = 1
         return torch.maximum(self.forests(features, predicted).float(), ramp)
 
 
@@ -298,7 +302,7 @@ class EnsembleDetector(Detector):
         check_fitted(self)
         # float32 arithmetic, as the torch form computes it
         u = self.novelty_.score(features, predicted_labels).astype(np.float32)
-        ramp = (u - np.float32(1.0 - self.tail)) / np.float32(self.tail)
+        ramp = np.float32(1.0) - (np.float32(1.0) - u) / np.float32(self.tail)
         ramp = np.clip(ramp, np.float32(0.0), np.float32(1.0))
         forests = self.forests_.score(features, predicted_labels).astype(np.float32)
         return np.maximum(forests, ramp).astype(np.float64)

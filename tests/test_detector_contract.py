@@ -121,7 +121,9 @@ def test_every_detector_fits_and_scores_through_the_contract(
 
 def test_bundles_hold_only_servable_detectors() -> None:
     assert detector_kind(get_detector("quantile")) == "quantile"
-    with pytest.raises(ArtefactError, match="bundles hold ensemble or novelty or quantile or transport detectors"):
+    with pytest.raises(
+        ArtefactError, match="bundles hold ensemble or novelty or quantile or transport detectors"
+    ):
         detector_kind(get_detector("nss"))
     spec = {"params": {}, "feature_names": ["msq_0", "cos_0"]}
     assert DetectorSpec(kind="transport", **spec).feature_spec == FeatureSpec()

@@ -199,3 +199,33 @@ def test_evaluation_score_command_and_server_give_identical_scores(
 
     served = _served_scores(smoke_run / "bundle", manifest["name"], held_out)
     np.testing.assert_array_equal(served, evaluated)
+
+
+def test_shipped_rates_cover_ood_and_successful_images_and_the_server_reproduces_them(
+    smoke_run, data_root
+) -> None:
+    """The manifest records the deployed detector's held-out flag rate on every OOD set and on
+    the successful adversarial images, in the feature set the training side chose; a live server
+    sent the OOD images flags exactly that share of them."""
+    from detector.networks import load
+    from training.data import load_ood
+
+    info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
+    manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
+    selection = json.loads((smoke_run / "features" / "lap" / "selection.json").read_text())
+    chosen = {"residues": False, "residues+head": True}[selection["chosen"]]
+    assert manifest["detector"]["kind"] == info["kind"] == "ensemble"
+    assert manifest["detector"]["head"] is chosen is info["features"]["head"]
+    metrics = manifest["metrics"]
+    successful = info["heldout"]["successful_flag_rate"]["fgm-eps0.1"]
+    assert metrics["heldout_successful_flag_rate_fgm-eps0.1"] == successful
+    assert info["heldout"]["n_successful"]["fgm-eps0.1"] <= info["heldout"]["n"]["fgm-eps0.1"]
+    spec = load(smoke_run / "models" / info["network"]).config.input_spec
+    with np.load(smoke_run / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
+        for name in ("digits", "noise"):
+            images = load_ood(name, spec, 200, seed=0, root=data_root)
+            served = _served_scores(smoke_run / "bundle", manifest["name"], images)
+            np.testing.assert_array_equal(served, saved[f"ood-{name}"])
+            rate = metrics[f"heldout_flag_rate_ood-{name}"]
+            assert rate == info["heldout"]["flag_rate"][f"ood-{name}"]
+            assert rate == np.mean(served > manifest["threshold"])

@@ -91,9 +91,7 @@ def select_features(
     rows = []
     for spec in candidates:
         columns = spec_columns(spec, names)
-        scores = _candidate_scores(
-            columns, names, clean, attacks, is_fit, is_validation, detector
-        )
+        scores = _candidate_scores(columns, names, clean, attacks, is_fit, is_validation, detector)
         rows.append({"features": spec.label(), "n_features": len(columns), **scores})
     best = max(range(len(rows)), key=lambda i: (round(rows[i]["mean"], 4), -i))
     table = {
@@ -140,4 +138,3 @@ def _candidate_scores(
         scores[key] = (tpr + tnr) / 2
     scores["mean"] = float(np.mean([scores[k] for k in attacks]))
     return scores
-

@@ -24,8 +24,8 @@ from detector.features import FeatureSpec, TransportFeatureExtractor, extract_fe
 from detector.registry import get_detector
 from training import adversarial
 from training.data import load_dataset, load_ood, to_arrays
-from training.feature_selection import restrict, select_features, spec_columns, union_spec
 from training.experiments import Samples, on_all_cores, run_protocols, save_first_scores
+from training.feature_selection import restrict, select_features, spec_columns, union_spec
 from training.presets import get_train_preset
 from training.presets.pipelines import PipelineConfig
 from training.rundir import RunDir
