@@ -78,3 +78,21 @@ def test_paper_cifar10_preflight_names_the_missing_data(tmp_path) -> None:
     write_cifar(tmp_path, classes=10, n=4)  # CIFAR-10 only: the OOD set CIFAR-100 is absent
     with pytest.raises(DataNotFoundError, match="cifar100"):
         check_pipeline(get_pipeline_preset("paper-cifar10-resnet110"), root=tmp_path)
+
+
+def test_full_preset_adds_the_slow_attacks_and_passes_preflight(data_root, capsys) -> None:
+    from training.cli import main
+
+    config = get_pipeline_preset("full")
+    check_names(config)
+    assert "full" in list_pipeline_presets()
+    attacks = {a.key: a.attack for a in config.attacks}
+    assert {"fgm-eps0.1", "fgm-eps0.03", "bim", "apgd"} <= set(attacks) and not config.not_run
+    assert {attacks[k] for k in ("cw", "deepfool")} == {"cw-batched", "deepfool-batched"}
+    assert {"autoattack", "hsj", "boundary"} <= set(attacks.values())
+    assert config.expected_duration and " h " in config.expected_duration
+    assert main(["pipeline", "--preset", "full", "--check", "--root", str(data_root)]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline full: config valid" in out and "fashion-mnist test: 10000 images" in out
+    assert main(["pipeline", "--list-presets"]) == 0
+    assert "expected: at most" in capsys.readouterr().out

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -83,6 +83,7 @@ class SetManifest(BaseModel):
     batch_size: int
     workers: int
     device: str
+    engine: str = Field("local", description="where the last session attacked: local or ray")
     libraries: dict[str, str | None]
     wall_seconds: float = Field(description="elapsed generation time, summed over resumed sessions")
     # Sum of the batches' own times (worker-seconds); None in sets written before it was recorded.
@@ -234,17 +235,33 @@ def _batch_path(partial: Path, b: int) -> Path:
     return partial / f"batch-{b:06d}.npz"
 
 
-def _run_one(
-    runner: AttackRunner, x: np.ndarray, y: np.ndarray, b: int, seed: int, out: Path
-) -> float:
-    """Attack batch ``b``, write its file, return the seconds it took."""
+def attack_batch(
+    runner: AttackRunner, x: np.ndarray, y: np.ndarray, b: int, seed: int
+) -> dict[str, np.ndarray]:
+    """Attack batch ``b`` of a set generated with ``seed``: the arrays of its batch file
+    (``x_adv``, ``clean_pred``, ``adv_pred`` and the ``seconds`` it took)."""
     start = time.perf_counter()
     x_adv = runner.run_batch(x, y, seed=batch_seed(seed, b))
     clean = predict_labels(runner.model, x, device=runner.device)
     adv = predict_labels(runner.model, x_adv, device=runner.device)
     seconds = time.perf_counter() - start
-    save_npz(out, x_adv=x_adv, clean_pred=clean, adv_pred=adv, seconds=np.float64(seconds))
-    return seconds
+    return {"x_adv": x_adv, "clean_pred": clean, "adv_pred": adv, "seconds": np.asarray(seconds)}
+
+
+def write_batch(partial: Path, b: int, arrays: dict[str, np.ndarray]) -> float:
+    """Store a finished batch in the set's partial folder; the seconds it took to attack."""
+    missing = [k for k in ("x_adv", "clean_pred", "adv_pred", "seconds") if k not in arrays]
+    if missing:
+        raise ArtefactError(f"batch {b} lacks arrays {', '.join(missing)}")
+    save_npz(_batch_path(partial, b), **arrays)
+    return float(arrays["seconds"])
+
+
+def _run_one(
+    runner: AttackRunner, x: np.ndarray, y: np.ndarray, b: int, seed: int, partial: Path
+) -> float:
+    """Attack batch ``b``, write its file, return the seconds it took."""
+    return write_batch(partial, b, attack_batch(runner, x, y, b, seed))
 
 
 _WORKER: dict[str, Any] = {}
@@ -258,8 +275,10 @@ def _worker_init(
     _WORKER["runner"] = AttackRunner(model, attack, params, batch_size=batch_size, device=device)
 
 
-def _worker_batch(x: np.ndarray, y: np.ndarray, b: int, seed: int, out: str) -> tuple[int, float]:
-    return b, _run_one(_WORKER["runner"], x, y, b, seed, Path(out))
+def _worker_batch(
+    x: np.ndarray, y: np.ndarray, b: int, seed: int, partial: str
+) -> tuple[int, float]:
+    return b, _run_one(_WORKER["runner"], x, y, b, seed, Path(partial))
 
 
 def _finished_batches(partial: Path, slices: list[slice]) -> dict[int, float]:
@@ -327,9 +346,7 @@ def _run_parallel(
         max_workers=workers, mp_context=context, initializer=_worker_init, initargs=init
     ) as pool:
         futures: set[Future[tuple[int, float]]] = {
-            pool.submit(
-                _worker_batch, x[slices[b]], y[slices[b]], b, seed, str(_batch_path(partial, b))
-            )
+            pool.submit(_worker_batch, x[slices[b]], y[slices[b]], b, seed, str(partial))
             for b in pending
         }
         try:
@@ -484,15 +501,98 @@ class _BatchProgress:
             self.on_batch(b, len(self.slices))
 
 
-def _announce_duration(
+def announce_duration(
     attack: str, per_image: float, pending: list[int], slices: list[slice], workers: int
 ) -> None:
+    """Say how long the ``pending`` batches will take at ``per_image`` seconds on ``workers``."""
     rest = sum(slices[i].stop - slices[i].start for i in pending)
     parallel = min(workers, len(pending))
     tqdm.write(
         f"{attack}: {per_image:.1f} s/image; about {per_image * rest / parallel / 60:.1f} min "
         f"for the {rest} remaining image(s) on {parallel} worker(s)",
         file=sys.stderr,
+    )
+
+
+def _network_dir(plan: _SetPlan, partial: Path, device: torch.device) -> Path:
+    """The directory workers load the network from: the given one, or (for a network in
+    memory) a copy saved in the partial folder."""
+    if plan.model_dir is not None:
+        return plan.model_dir
+    model_dir = partial / "network"
+    networks.save(plan.net.cpu(), model_dir)
+    plan.net.to(device)
+    return model_dir
+
+
+# --------------------------------------------------------------------------------------------
+# Batch engines: where the pending batches of a set are attacked (local processes are built in)
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BatchJob:
+    """The batches of one set as an engine sees them: the attack, the network's directory and
+    checksum, the images, the slices, and the partial folder each finished batch goes to
+    (through :func:`write_batch`, as locally). ``device`` is the one asked for (e.g. ``auto``)."""
+
+    attack: str
+    params: dict[str, Any]
+    seed: int
+    batch_size: int
+    device: str
+    model_dir: Path
+    network_sha256: str
+    x: np.ndarray
+    y: np.ndarray
+    slices: list[slice]
+    partial: Path
+
+    def images(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Images and labels of batch ``b``."""
+        return self.x[self.slices[b]], self.y[self.slices[b]]
+
+    def size(self, b: int) -> int:
+        return self.slices[b].stop - self.slices[b].start
+
+
+class EngineRun(NamedTuple):
+    """How an engine ran a session's batches, as the set's manifest records it."""
+
+    engine: str
+    workers: int
+    device: str
+
+
+class BatchEngine(Protocol):
+    """Attacks a set's pending batches somewhere else than in this process (e.g. on Ray)."""
+
+    def run(
+        self, job: BatchJob, pending: list[int], finished: Callable[[int], None], *, progress: bool
+    ) -> EngineRun:
+        """Attack every batch of ``pending``; write each with :func:`write_batch` into
+        ``job.partial`` and call ``finished(b)`` right after."""
+        ...
+
+
+def _batch_job(
+    plan: _SetPlan,
+    partial: Path,
+    slices: list[slice],
+    batch_size: int,
+    device: str,
+    net_device: torch.device,
+) -> BatchJob:
+    return BatchJob(
+        attack=plan.attack,
+        params=plan.params_dict,
+        seed=plan.seed,
+        batch_size=batch_size,
+        device=device,
+        model_dir=_network_dir(plan, partial, net_device),
+        network_sha256=plan.network_sha256,
+        x=plan.x,
+        y=plan.y,
+        slices=slices,
+        partial=partial,
     )
 
 
@@ -513,9 +613,7 @@ def _generate_pending(
     x, y = plan.x, plan.y
 
     def serial(b: int) -> float:
-        seconds = _run_one(
-            runner, x[slices[b]], y[slices[b]], b, plan.seed, _batch_path(partial, b)
-        )
+        seconds = _run_one(runner, x[slices[b]], y[slices[b]], b, plan.seed, partial)
         tracker.finished(b)
         return seconds
 
@@ -524,23 +622,18 @@ def _generate_pending(
         b = pending.pop(0)
         per_image = serial(b) / (slices[b].stop - slices[b].start)
         if pending and progress:
-            _announce_duration(plan.attack, per_image, pending, slices, workers)
+            announce_duration(plan.attack, per_image, pending, slices, workers)
     if not (pending and workers > 1):
         for b in pending:
             serial(b)
         return
-    model_dir = plan.model_dir
-    if model_dir is None:  # workers load the network from a directory
-        model_dir = partial / "network"
-        networks.save(plan.net.cpu(), model_dir)
-        plan.net.to(runner.device)
     _run_parallel(
         pending,
         x=x,
         y=y,
         slices=slices,
         partial=partial,
-        model_dir=model_dir,
+        model_dir=_network_dir(plan, partial, runner.device),
         attack=plan.attack,
         params=plan.params_dict,
         batch_size=batch_size,
@@ -552,7 +645,7 @@ def _generate_pending(
 
 
 def _set_manifest(
-    plan: _SetPlan, *, batch_size: int, workers: int, device: str, wall: float
+    plan: _SetPlan, *, batch_size: int, used: EngineRun, wall: float
 ) -> dict[str, Any]:
     """The manifest fields known before the set is assembled."""
     return {
@@ -567,8 +660,9 @@ def _set_manifest(
         "indices_sha256": plan.indices_sha256,
         "inputs_sha256": plan.inputs_sha256,
         "batch_size": batch_size,
-        "workers": workers,
-        "device": device,
+        "workers": used.workers,
+        "device": used.device,
+        "engine": used.engine,
         "libraries": _libraries(),
         "wall_seconds": wall,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -603,15 +697,20 @@ def get_or_generate(
     workers: int = 1,
     progress: bool = True,
     on_batch: BatchCallback | None = None,
+    engine: BatchEngine | None = None,
 ) -> AdversarialSet:
     """The adversarial set of ``x`` (true labels ``y``, source ``indices``) under ``attack``:
     loaded from ``cache_dir`` when this exact configuration was generated before, otherwise
     generated (resuming finished batches of an interrupted run) and stored.
 
     ``model`` is a saved network directory or a network in memory. ``workers`` > 1 runs batches in
-    spawned processes that load the network from its directory. ``on_batch(b, n_batches)`` is
-    called after each newly generated batch.
+    spawned processes that load the network from its directory; an ``engine`` (e.g.
+    :class:`training.ray_attacks.RayEngine`) runs them elsewhere instead. Every batch is seeded
+    from ``(seed, batch index)``, so the set is the same wherever its batches ran.
+    ``on_batch(b, n_batches)`` is called after each newly generated batch.
     """
+    if engine is not None and workers != 1:
+        raise ConfigError("workers sets local processes; an engine chooses its own workers")
     plan = _plan_set(model, x, y, indices, attack, params, seed=seed, workers=workers)
     final = Path(cache_dir) / f"{attack}-{plan.key}"
     partial = Path(cache_dir) / f"{attack}-{plan.key}.partial"
@@ -637,22 +736,25 @@ def get_or_generate(
     with bar:
         tracker = _BatchProgress(bar, partial, slices, on_batch)
         try:
-            _generate_pending(
-                plan,
-                runner,
-                partial,
-                slices,
-                pending,
-                tracker,
-                batch_size=size,
-                workers=workers,
-                progress=progress,
-            )
+            if engine is None or not pending:
+                _generate_pending(
+                    plan,
+                    runner,
+                    partial,
+                    slices,
+                    pending,
+                    tracker,
+                    batch_size=size,
+                    workers=workers,
+                    progress=progress,
+                )
+                used = EngineRun("local", workers, str(device_t))
+            else:
+                job = _batch_job(plan, partial, slices, size, str(device), device_t)
+                used = engine.run(job, pending, tracker.finished, progress=progress)
         finally:
             wall = tracker.tick()
-    manifest = _set_manifest(
-        plan, batch_size=size, workers=workers, device=str(device_t), wall=wall
-    )
+    manifest = _set_manifest(plan, batch_size=size, used=used, wall=wall)
     return _assemble(
         partial, final, x=plan.x, y=plan.y, indices=plan.indices, slices=slices, manifest=manifest
     )
@@ -703,10 +805,11 @@ def attack_run(
     workers: int = 1,
     root: str | Path | None = None,
     progress: bool = True,
+    engine: BatchEngine | None = None,
 ) -> dict[str, AdversarialSet]:
     """Attack every network of a run directory (or the one named ``model``) on the first ``n``
     images of ``split``; sets are cached in ``DIR/attacks/<model>/``. Parameters and the run
-    directory are checked before anything is written."""
+    directory are checked before anything is written. ``engine``: see :func:`get_or_generate`."""
     make_attack_params(attack, params)
     if n is not None and n < 1:
         raise ConfigError(f"n must be positive, got {n}")
@@ -727,5 +830,6 @@ def attack_run(
             device=device,
             workers=workers,
             progress=progress,
+            engine=engine,
         )
     return sets

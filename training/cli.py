@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from detector.errors import ConfigError, LapguardError
@@ -131,7 +132,31 @@ def _add_attack(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--list", action="store_true", help="print the registered attacks with their defaults"
     )
+    _add_attack_engine_flags(p)
     p.set_defaults(handler=_run_attack)
+
+
+def _add_attack_engine_flags(p: argparse.ArgumentParser) -> None:
+    """`attack`'s flags for sharding batches over Ray."""
+    p.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local (default) or ray: batches sharded over Ray workers, the same set as a "
+        "local run (pip install 'lapguard[ray]')",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster address (HOST:6379 or auto; default: a local Ray)",
+    )
+    p.add_argument(
+        "--ray-workers",
+        type=int,
+        default=None,
+        help="Ray workers with --engine ray (default and most: one per CPU of the cluster, "
+        "or one per GPU when it has GPUs)",
+    )
 
 
 def _attack_params(pairs: Sequence[str], eps: float | None) -> dict[str, object]:
@@ -150,6 +175,20 @@ def _attack_params(pairs: Sequence[str], eps: float | None) -> dict[str, object]
     return params
 
 
+def _attack_engine(args: argparse.Namespace) -> AbstractContextManager:
+    """The Ray engine `attack --engine ray` asks for (a context that stops a local Ray), or
+    an empty context for the local engine; conflicting flags are a UsageError."""
+    if args.engine == "local":
+        if args.ray_address is not None or args.ray_workers is not None:
+            raise UsageError("--ray-address and --ray-workers need --engine ray")
+        return nullcontext()
+    if args.workers != 1:
+        raise UsageError("--workers sets local processes; with --engine ray use --ray-workers")
+    from training.ray_attacks import RayEngine
+
+    return RayEngine(address=args.ray_address, workers=args.ray_workers)
+
+
 def _run_attack(args: argparse.Namespace) -> int:
     from training.adversarial import attack_run
     from training.console import attack_lines, attack_table
@@ -158,20 +197,22 @@ def _run_attack(args: argparse.Namespace) -> int:
         return _print_lines(attack_lines())
     if args.run is None or args.attack is None:
         raise UsageError("attack needs --run DIR and --attack NAME (see --list)")
-    sets = attack_run(
-        args.run,
-        args.attack,
-        _attack_params(args.param, args.eps),
-        n=args.n,
-        split=args.split,
-        model=args.model,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        device=args.device,
-        workers=args.workers,
-        root=args.root,
-        progress=not args.no_progress,
-    )
+    with _attack_engine(args) as engine:
+        sets = attack_run(
+            args.run,
+            args.attack,
+            _attack_params(args.param, args.eps),
+            n=args.n,
+            split=args.split,
+            model=args.model,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            device=args.device,
+            workers=args.workers,
+            root=args.root,
+            progress=not args.no_progress,
+            engine=engine,
+        )
     return _print_lines(attack_table(sets, args.attack))
 
 

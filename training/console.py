@@ -59,9 +59,10 @@ def pipeline_preset_lines() -> list[str]:
     lines = []
     for name, preset in PIPELINE_PRESETS.items():
         attacks = ", ".join(f"{a.key}(n={a.n})" for a in preset.attacks)
+        duration = f"; expected: {preset.expected_duration}" if preset.expected_duration else ""
         lines.append(
             f"{name:8s} networks={list(preset.models.values())} detectors={preset.detectors} "
-            f"attacks: {attacks}"
+            f"attacks: {attacks}{duration}"
         )
     return lines
 

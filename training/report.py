@@ -777,6 +777,8 @@ def notes_section(
         for item in config.get("not_run", [])
         if isinstance(item, Mapping)
     ]
+    if config.get("expected_duration"):
+        notes.append(f"- Expected duration of this preset: {config['expected_duration']}.")
     scored = {model for model, _, _ in scores}
     notes += [
         f"- {MODEL_LABELS.get(m, m.upper())}: no detector scores in scores/{m}/ (no ROC curves)."

@@ -1,7 +1,8 @@
 """Named pipeline presets (``lapguard pipeline --preset NAME``): networks, attacks, detectors, protocols.
 
-``smoke`` and ``quick`` run on 2 CPU cores; ``paper-*`` are seed 003's experiments, for GPU machines
-with those data sets on disk (``lapguard pipeline --preset paper-... --check`` checks them first)."""
+``smoke`` and ``quick`` run on 2 CPU cores, ``full`` (every attack) overnight on them; ``paper-*`` are
+seed 003's experiments, for GPU machines with those data sets on disk
+(``lapguard pipeline --preset paper-... --check`` checks them first)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ class PipelineConfig(BaseModel):
     not_run: list[dict[str, str]] = Field(
         default_factory=list
     )  # attacks left out, with the reason (for the report)
+    # How long the preset takes and on what (shown by --list-presets and in the report).
+    expected_duration: str | None = None
     device: str = "auto"
 
     @model_validator(mode="after")
@@ -195,6 +198,43 @@ def _paper_preset(
     )
 
 
+# `full`: quick's fast attacks plus every slow one, for an overnight run on 2 CPU cores. Expected
+# time from the per-image costs in benchmarks/RESULTS.md (2 cores, run alone), both networks:
+#   training 7 min; quick's FGM/BIM/APGD sets 12 min (quick's measured costs);
+#   CW and DeepFool as cw-batched/deepfool-batched, 1000 images: <= 0.91 h + 0.47 h (bounded by
+#     ART's CW/DeepFool, 1.79/1.50 and 0.89/0.82 s/image on VAN/LAP: the same algorithms, batched);
+#   AutoAttack standard eps=0.1, 500 images: <= 1.47 h (5.3 s/image at eps=0.03; at 0.1 APGD-CE
+#     fools almost every image and AutoAttack runs its other attacks on the rest only);
+#   HopSkipJump (50 it.), 500 images: 2.31 h (8.3 s/image);
+#   Boundary (5000 it.), 100 images: 3.48 h (62.7 s/image);
+#   features, protocols, detector, report and bundle ~10 min (quick: 8 min for 6 sets).
+# Total <= 9.1 h; the slow attacks' costs were measured on the LAP network. The slow sets can be
+# made faster elsewhere with `lapguard attack --engine ray`: a set is keyed by its configuration.
+_FULL_ATTACKS = [
+    AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=10000),
+    AttackRun(key="fgm-eps0.03", attack="fgm", params={"eps": 0.03}, n=2000),
+    AttackRun(key="bim", attack="bim", params={"eps": 0.1}, n=5000),
+    AttackRun(key="apgd", attack="apgd", params={"eps": 0.1}, n=1500),
+    AttackRun(key="cw", attack="cw-batched", n=1000),
+    AttackRun(key="deepfool", attack="deepfool-batched", n=1000),
+    AttackRun(key="autoattack", attack="autoattack", params={"eps": 0.1}, n=500),
+    AttackRun(key="hsj", attack="hsj", n=500),
+    AttackRun(key="boundary", attack="boundary", n=100),
+]
+_FULL = PipelineConfig(
+    name="full",
+    models={"vanilla": "quick-vanilla", "lap": "quick-lap"},
+    attacks=_FULL_ATTACKS,
+    detectors=["transport", "mahalanobis", "quantile"],
+    unseen_train="fgm-eps0.1",
+    ood_train=["fgm-eps0.1", "cw"],
+    ood_n=1000,
+    seeds=5,
+    mahalanobis_magnitudes=[0.0, 0.001],  # each magnitude > 0 costs a backward per layer
+    deploy_attacks=[a.key for a in _FULL_ATTACKS if a.key != "fgm-eps0.03"],
+    expected_duration="at most ~9 h on 2 CPU cores, alone (Boundary 3.5 h, HopSkipJump 2.3 h)",
+)
+
 PIPELINE_PRESETS: dict[str, PipelineConfig] = {
     "smoke": PipelineConfig(
         name="smoke",
@@ -280,6 +320,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         ood_train=[],
         ood_test=["digits", "noise"],
     ),
+    "full": _FULL,
 }
 
 
