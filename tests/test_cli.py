@@ -47,7 +47,7 @@ def test_usage_error_is_the_config_error_of_the_cli() -> None:
 
 def test_fit_offers_exactly_the_detector_choices(capsys) -> None:
     """`fit` offers the registered detectors that can ship (a torch form), and no other."""
-    assert detector_choices() == ["quantile", "transport"]
+    assert detector_choices() == ["ensemble", "novelty", "quantile", "transport"]
     for name in ("mahalanobis", "nss"):  # registered, evaluated, but not servable
         with pytest.raises(SystemExit) as exit_info:
             main(["fit", "--run", "r", "--detector", name])
@@ -56,7 +56,7 @@ def test_fit_offers_exactly_the_detector_choices(capsys) -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     fit = sub.choices["fit"]
     action = next(a for a in fit._actions if a.dest == "detector")
-    assert list(action.choices) == detector_choices() and action.default == "transport"
+    assert list(action.choices) == detector_choices() and action.default is None
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--run", "r", "--detector", "forest"])
     assert exit_info.value.code == 2

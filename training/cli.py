@@ -277,7 +277,12 @@ def _add_steps(sub: argparse._SubParsersAction) -> None:
     p = _add_run_step(
         sub, "fit", "fit the deployable detector of a run and calibrate its threshold"
     )
-    p.add_argument("--detector", default="transport", choices=detector_choices())
+    p.add_argument(
+        "--detector",
+        default=None,
+        choices=detector_choices(),
+        help="a servable detector (default: the run config's deploy_detector)",
+    )
     p.set_defaults(handler=_run_fit)
     _add_run_step(
         sub, "evaluate", "run the seen/unseen/OOD detection protocols of a run"

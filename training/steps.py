@@ -46,9 +46,10 @@ def run_preset(
 
 
 def fit_run(
-    run: Path, *, detector: str = "transport", root: Path | None = None, progress: bool = True
+    run: Path, *, detector: str | None = None, root: Path | None = None, progress: bool = True
 ) -> dict[str, Any]:
-    """Fit the deployable ``detector`` of ``run``; return its threshold calibration."""
+    """Fit the deployable ``detector`` (default: the config's ``deploy_detector``) of ``run``;
+    return its threshold calibration."""
     from training.deployable import DEPLOYABLE_FILE, fit_deployable
     from training.pipeline import PipelineRun
 

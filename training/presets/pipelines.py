@@ -200,7 +200,7 @@ def _paper_preset(
 
 # `full`: quick's fast attacks plus every slow one, for an overnight run on 2 CPU cores. Expected
 # time from the per-image costs in benchmarks/RESULTS.md (2 cores, run alone), both networks:
-#   training 7 min; quick's FGM/BIM/APGD sets 12 min (quick's measured costs);
+#   training 7 min; the FGM/BIM/APGD sets (eps 0.1 and 0.03) ~25 min (quick's measured costs);
 #   CW and DeepFool as cw-batched/deepfool-batched, 1000 images: <= 0.91 h + 0.47 h (bounded by
 #     ART's CW/DeepFool, 1.79/1.50 and 0.89/0.82 s/image on VAN/LAP: the same algorithms, batched);
 #   AutoAttack standard eps=0.1, 500 images: <= 1.47 h (5.3 s/image at eps=0.03; at 0.1 APGD-CE
@@ -208,11 +208,13 @@ def _paper_preset(
 #   HopSkipJump (50 it.), 500 images: 2.31 h (8.3 s/image);
 #   Boundary (5000 it.), 100 images: 3.48 h (62.7 s/image);
 #   features, protocols, detector, report and bundle ~10 min (quick: 8 min for 6 sets).
-# Total <= 9.1 h; the slow attacks' costs were measured on the LAP network. The slow sets can be
+# Total <= 9.3 h; the slow attacks' costs were measured on the LAP network. The slow sets can be
 # made faster elsewhere with `lapguard attack --engine ray`: a set is keyed by its configuration.
 _FULL_ATTACKS = [
     AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=10000),
     AttackRun(key="fgm-eps0.03", attack="fgm", params={"eps": 0.03}, n=2000),
+    AttackRun(key="bim-eps0.03", attack="bim", params={"eps": 0.03}, n=2000),
+    AttackRun(key="apgd-eps0.03", attack="apgd", params={"eps": 0.03}, n=2000),
     AttackRun(key="bim", attack="bim", params={"eps": 0.1}, n=5000),
     AttackRun(key="apgd", attack="apgd", params={"eps": 0.1}, n=1500),
     AttackRun(key="cw", attack="cw-batched", n=1000),
@@ -225,14 +227,17 @@ _FULL = PipelineConfig(
     name="full",
     models={"vanilla": "quick-vanilla", "lap": "quick-lap"},
     attacks=_FULL_ATTACKS,
-    detectors=["transport", "mahalanobis", "quantile"],
+    detectors=["transport", "ensemble", "mahalanobis", "nss", "quantile"],
     unseen_train="fgm-eps0.1",
     ood_train=["fgm-eps0.1", "cw"],
     ood_n=1000,
     seeds=5,
     mahalanobis_magnitudes=[0.0, 0.001],  # each magnitude > 0 costs a backward per layer
-    deploy_attacks=[a.key for a in _FULL_ATTACKS if a.key != "fgm-eps0.03"],
-    expected_duration="at most ~9 h on 2 CPU cores, alone (Boundary 3.5 h, HopSkipJump 2.3 h)",
+    learning_curve_attacks=["cw", "deepfool"],
+    feature_candidates=FEATURE_CANDIDATES,
+    selection_detector="ensemble",
+    deploy_detector="ensemble",
+    expected_duration="at most ~9.3 h on 2 CPU cores, alone (Boundary 3.5 h, HopSkipJump 2.3 h)",
 )
 
 PIPELINE_PRESETS: dict[str, PipelineConfig] = {
