@@ -55,6 +55,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--art-batch", type=int, default=None, help="ART's batch size")
     parser.add_argument("--batched-batch", type=int, default=None, help="our batch size")
+    parser.add_argument(
+        "--only", choices=[art for art, _ in PAIRS], default=None, help="one pair only"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -65,7 +68,7 @@ def main() -> None:
         "| attack | success | median L2 | s/image | success diff (pts) | L2 ratio | speed-up | bar |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for art, ours in PAIRS:
+    for art, ours in PAIRS if args.only is None else [p for p in PAIRS if p[0] == args.only]:
         a = measure(model, x, y, art, batch_size=args.art_batch, device=args.device)
         b = measure(model, x, y, ours, batch_size=args.batched_batch, device=args.device)
         points, ratio = 100 * (b[0] - a[0]), b[1] / a[1]

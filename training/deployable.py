@@ -39,7 +39,8 @@ def deployable_detectors() -> list[str]:
 
 def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
     """Fit detector ``detector`` (default: the config's ``deploy_detector``) on the deploy
-    network's training side (seed-0 split) of the deploy attacks, in the feature set chosen for
+    network's training side (seed-0 split) of the deploy attacks, in equal shares
+    (:func:`equal_shares`), in the feature set chosen for
     that network, calibrate it at the config's target FPR on held-out clean images, and measure
     its flag rates on the test side of every attack set and on every OOD set, all scored by the
     Guard. Cached per detector."""
@@ -56,9 +57,8 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
     data = run.samples(name)
     keys = config.deploy_attacks or list(data.attacks)
     split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
-    fitted = on_all_cores(get_detector(detector)).fit_samples(
-        split.train(data.clean), concat([split.train(data.attacks[k]) for k in keys])
-    )
+    abnormal = equal_shares([split.train(data.attacks[k]) for k in keys], seed=SPLIT_SEED)
+    fitted = on_all_cores(get_detector(detector)).fit_samples(split.train(data.clean), abnormal)
     spec = run.feature_spec(name)
     guard = Guard.from_run(run.model(name), fitted, np.inf, features=spec, device=run.device)
     calibration = Calibration.from_scores(
@@ -79,6 +79,7 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
             "kind": detector,
             "network": name,
             "train_attacks": keys,
+            "train_pairs_per_attack": len(abnormal) // len(keys),
             "calibration": calibration.to_dict(),
             "features": asdict(spec),
             "heldout": _heldout_rates(scores, successful, calibration.threshold),
@@ -87,6 +88,18 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
         },
     )
     return out
+
+
+def equal_shares(parts: list[Samples], *, seed: int) -> Samples:
+    """Every attack weighs the same in the deployed detector: each part is subsampled (seeded)
+    to the smallest part's size, so the cheap attacks' large sets do not drown the slow ones."""
+    size = min(len(p) for p in parts)
+    rng = np.random.default_rng(seed)
+    trimmed = [
+        p if len(p) == size else p.take(np.sort(rng.choice(len(p), size, replace=False)))
+        for p in parts
+    ]
+    return concat(trimmed, "abnormal")
 
 
 def _guard_scores(guard: Guard, samples: Samples) -> np.ndarray:

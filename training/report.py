@@ -44,8 +44,15 @@ OOD_PREFIX = "ood-"
 LEARNING_CURVE_FIGURE = "learning_curve.png"
 MODEL_ORDER = ("vanilla", "rce", "lap")
 MODEL_LABELS = {"vanilla": "VAN", "lap": "LAP", "rce": "RCE"}
-DETECTOR_ORDER = ("transport", "mahalanobis", "nss", "quantile")
-DETECTOR_LABELS = {"transport": "TR", "mahalanobis": "MH", "nss": "NS", "quantile": "QT"}
+DETECTOR_ORDER = ("transport", "ensemble", "novelty", "mahalanobis", "nss", "quantile")
+DETECTOR_LABELS = {
+    "transport": "TR",
+    "ensemble": "TR+NV",
+    "novelty": "NV",
+    "mahalanobis": "MH",
+    "nss": "NS",
+    "quantile": "QT",
+}
 ATTACK_ORDER = (
     "fgm",
     "pgd",
