@@ -52,7 +52,9 @@ def test_results_json_follows_the_design_contract(smoke_run) -> None:
     )
     rows = results["detection"]
     assert {(r["model"], r["detector"]) for r in rows} == {
-        (m, d) for m in ("vanilla", "lap") for d in ("transport", "mahalanobis", "quantile")
+        (m, d)
+        for m in ("vanilla", "lap")
+        for d in ("transport", "ensemble", "mahalanobis", "quantile")
     }
     for row in rows:
         assert set(row) >= DETECTION_ROW_KEYS and row["runs"] == 2 and 0 <= row["accuracy"] <= 1
