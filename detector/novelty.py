@@ -264,15 +264,10 @@ class EnsembleDetector(Detector):
         self.n_jobs = n_jobs
 
     def _parts(self) -> tuple[TransportDetector, NoveltyDetector]:
-        forests = TransportDetector(
-            n_estimators=self.n_estimators,
-            max_depth=self.max_depth,
-            class_conditional=self.class_conditional,
-            min_class_samples=self.min_class_samples,
-            random_state=self.random_state,
-            n_jobs=self.n_jobs,
+        shared = {k: v for k, v in self.get_params().items() if k != "tail"}
+        return TransportDetector(**shared), NoveltyDetector(
+            min_class_samples=self.min_class_samples
         )
-        return forests, NoveltyDetector(min_class_samples=self.min_class_samples)
 
     def fit(
         self, features: np.ndarray, is_abnormal: np.ndarray, predicted_labels: np.ndarray

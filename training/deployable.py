@@ -95,11 +95,7 @@ def equal_shares(parts: list[Samples], *, seed: int) -> Samples:
     to the smallest part's size, so the cheap attacks' large sets do not drown the slow ones."""
     size = min(len(p) for p in parts)
     rng = np.random.default_rng(seed)
-    trimmed = [
-        p if len(p) == size else p.take(np.sort(rng.choice(len(p), size, replace=False)))
-        for p in parts
-    ]
-    return concat(trimmed, "abnormal")
+    return concat([p.subsample(size, rng) for p in parts], "abnormal")
 
 
 def _guard_scores(guard: Guard, samples: Samples) -> np.ndarray:

@@ -70,6 +70,12 @@ class Samples:
     def __len__(self) -> int:
         return len(self.indices)
 
+    def subsample(self, n: int, rng: np.random.Generator) -> Samples:
+        """At most ``n`` rows, drawn without replacement by ``rng`` and kept in order."""
+        if len(self) <= n:
+            return self
+        return self.take(np.sort(rng.choice(len(self), n, replace=False)))
+
 
 def concat(parts: Sequence[Samples], name: str = "mixed") -> Samples:
     success = None
@@ -133,8 +139,7 @@ def _balanced(
 ) -> tuple[Samples, Samples]:
     """Trim the larger side so both have the same count (the seed's balanced sets)."""
     n = min(len(clean), len(abnormal))
-    pick = lambda s: s if len(s) == n else s.take(np.sort(rng.choice(len(s), n, replace=False)))  # noqa: E731
-    return pick(clean), pick(abnormal)
+    return clean.subsample(n, rng), abnormal.subsample(n, rng)
 
 
 @dataclass

@@ -120,9 +120,7 @@ def _candidate_scores(
     rng = np.random.default_rng(SELECTION_SEED)
     fit_parts = []
     for samples in attacks.values():
-        part = samples.take(is_fit[samples.indices])
-        if len(part) > MAX_PAIRS_PER_ATTACK:
-            part = part.take(np.sort(rng.choice(len(part), MAX_PAIRS_PER_ATTACK, replace=False)))
+        part = samples.take(is_fit[samples.indices]).subsample(MAX_PAIRS_PER_ATTACK, rng)
         fit_parts.append(restrict(part, columns, names))
     fit_clean = restrict(clean.take(is_fit[clean.indices]), columns, names)
     abnormal = concat(fit_parts, "abnormal")
