@@ -60,6 +60,7 @@ class DetectorSpec(BaseModel):
     line_shape: bool = False
     embeddings: bool = False
     head: bool = False
+    start: bool = False
 
     @property
     def feature_spec(self) -> FeatureSpec:
@@ -70,6 +71,7 @@ class DetectorSpec(BaseModel):
             line_shape=self.line_shape,
             embeddings=self.embeddings,
             head=self.head,
+            start=self.start,
         )
 
     @field_validator("kind")
@@ -212,6 +214,7 @@ def write_bundle(
             line_shape=spec.line_shape,
             embeddings=spec.embeddings,
             head=spec.head,
+            start=spec.start,
         ),
         threshold=float(calibration.threshold),
         target_fpr=float(calibration.target_fpr),

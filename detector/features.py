@@ -9,13 +9,16 @@ copy, no flatten of a non-contiguous tensor), so the residual itself is never ke
 Optional extras (:class:`FeatureSpec`): cosines to further fixed +-1 directions (seeded, balanced
 Rademacher signs, orthogonal to 1 and nearly orthogonal to each other); the same statistics of the
 embeddings x_{m+1} (each block's output; seed 003 §5.3.1 allows embeddings as well as residues);
-the line-shape score of the trajectory (seed 001, eq. 43-44); and where the trajectory ends for
-the classifier (head: top-1 minus top-2 logit margin, max softmax probability, log-sum-exp).
+the line-shape score of the trajectory (seed 001, eq. 43-44); where the trajectory starts (x_0,
+the first block's input: its msq and cos and how its energy spreads over the image, see
+:func:`spatial_statistics`); and where it ends for the classifier (head: top-1 minus top-2 logit
+margin, max softmax probability, log-sum-exp).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +33,15 @@ from detector.taps import ResidualTaps, Tap, Taps
 DIRECTION_SEED = 20240601
 LINE_SHAPE = "line_shape"
 HEAD_NAMES = ("head_margin", "head_maxprob", "head_logsumexp")
+START_NAMES = tuple(
+    f"start_{name}"
+    for name in (
+        "msq", "cos", "kurtosis", "roughness", "peak", "l1",
+        "energy_q05", "energy_q25", "energy_q50", "spread_q10", "spread_q25", "spread_q50",
+    )
+)  # fmt: skip
+ENERGY_QUANTILES = (0.05, 0.25, 0.5)
+SPREAD_QUANTILES = (0.1, 0.25, 0.5)
 
 
 def _group_names(prefix: str, n_blocks: int, extra_directions: int) -> list[str]:
@@ -46,14 +58,17 @@ def feature_names(
     line_shape: bool = False,
     embeddings: bool = False,
     head: bool = False,
+    start: bool = False,
 ) -> list[str]:
     """Column names, block-major: msq_0, cos_0, msq_1, cos_1, ..., cos_{m}_dir{j}; then with
-    ``embeddings`` the same named emb_*; then line_shape; then the head columns."""
+    ``embeddings`` the same named emb_*; then line_shape; then the start_* and head columns."""
     names = _group_names("", n_blocks, extra_directions)
     if embeddings:
         names += _group_names("emb_", n_blocks, extra_directions)
     if line_shape:
         names.append(LINE_SHAPE)
+    if start:
+        names += START_NAMES
     if head:
         names += HEAD_NAMES
     return names
@@ -63,13 +78,15 @@ def feature_names(
 class FeatureSpec:
     """How transport features are computed: which residual taps (None: the network's default
     ones), how many extra +-1 directions, and which groups are appended: the embeddings' statistics,
-    the line-shape score, the head's (logit margin, max probability, log-sum-exp)."""
+    the line-shape score, the trajectory's start x_0 (:func:`spatial_statistics`), the head's
+    (logit margin, max probability, log-sum-exp)."""
 
     taps: tuple[str, ...] | None = None
     extra_directions: int = 0
     line_shape: bool = False
     embeddings: bool = False
     head: bool = False
+    start: bool = False
 
     def __post_init__(self) -> None:
         if self.taps is not None and not isinstance(self.taps, tuple):
@@ -85,14 +102,16 @@ class FeatureSpec:
             line_shape=self.line_shape,
             embeddings=self.embeddings,
             head=self.head,
+            start=self.start,
         )
 
     def label(self) -> str:
-        """A short name: 'residues', '+emb', '+dir4', '+line', '+head' joined."""
+        """A short name: 'residues', '+emb', '+dir4', '+line', '+start', '+head' joined."""
         parts = ["residues"]
         parts += ["emb"] if self.embeddings else []
         parts += [f"dir{self.extra_directions}"] if self.extra_directions else []
         parts += ["line"] if self.line_shape else []
+        parts += ["start"] if self.start else []
         parts += ["head"] if self.head else []
         return "+".join(parts)
 
@@ -146,6 +165,11 @@ class TransportFeatureExtractor:
             transform=self._statistics,
         )
         self._head = Taps(model, [Tap("", "output")], transform=head_statistics)
+        self._start = Taps(
+            model,
+            [Tap(embedding_tap(self._taps.names[0]), "input")] if self.spec.start else [],
+            transform=spatial_statistics,
+        )
         # Every forward pass of the model starts a new trajectory (line shape).
         self._pass_start = Taps(model, [Tap("", "input")], transform=self._new_pass)
         self._directions: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
@@ -174,6 +198,8 @@ class TransportFeatureExtractor:
             self._embedding_taps.__enter__()
         if self.spec.head:
             self._head.__enter__()
+        if self.spec.start:
+            self._start.__enter__()
         if self.line_shape:
             self._pass_start.__enter__()
         return self
@@ -184,7 +210,7 @@ class TransportFeatureExtractor:
 
     @property
     def _all_taps(self) -> tuple[Taps, ...]:
-        return (self._taps, self._embedding_taps, self._head)
+        return (self._taps, self._embedding_taps, self._start, self._head)
 
     def _new_pass(self, _inputs: torch.Tensor | None = None) -> bool:
         self._unit_sums = {}
@@ -258,6 +284,8 @@ class TransportFeatureExtractor:
             parts += _group_columns(self._embedding_taps.outputs)
         if self.line_shape:
             parts.append(self.line_shape_score().unsqueeze(1))
+        if self.spec.start:
+            parts.append(self._start.outputs[0])
         if self.spec.head:
             parts.append(self._head.outputs[0])
         return torch.cat(parts, dim=1)
@@ -271,6 +299,59 @@ def _group_columns(per_tap: list[torch.Tensor]) -> list[torch.Tensor]:
     if per_block.shape[2] > 2:
         parts.append(per_block[:, :, 2:].reshape(n, -1))
     return parts
+
+
+def _sorted_quantiles(values: torch.Tensor, quantiles: Sequence[float]) -> torch.Tensor:
+    """Per-row quantiles (lower order statistic) of ``values`` [N, K], as [N, len(quantiles)]."""
+    ordered = values.sort(dim=1).values
+    last = values.shape[1] - 1
+    return ordered[:, [int(q * last) for q in quantiles]]
+
+
+def spatial_statistics(x: torch.Tensor) -> torch.Tensor:
+    """Per-sample statistics of a state x [N, C, H, W] (the trajectory's start x_0), float32 [N, 12]:
+
+    msq and cos(x, 1) as for every block; the kurtosis mean(x^4)/msq^2; the roughness (mean
+    squared difference of horizontally and vertically adjacent values over 2 msq); how the energy
+    e_p = sum_c x[:, c, p]^2 spreads over positions p: the peak max_p e_p and the 5/25/50%
+    quantiles of e_p, each over mean_p e_p; the l1 ratio mean|x|/sqrt(msq); and the 10/25/50%
+    quantiles of the distance^2 of each position's channel vector to the per-channel spatial median
+    over mean_p e_p. All but msq are scale-free; flat regions (where small perturbations and
+    out-of-distribution textures show first) drive the low quantiles."""
+    z = x.float()
+    if z.ndim == 2:
+        z = z[:, :, None, None]
+    if z.ndim != 4:
+        raise ConfigError(
+            f"start statistics need an [N, C, H, W] state, got shape {tuple(x.shape)}"
+        )
+    n, channels = z.shape[:2]
+    msq = z.square().flatten(1).mean(1)
+    safe = msq.clamp_min(torch.finfo(torch.float32).tiny)
+    total = z.flatten(1).sum(1)
+    cos = torch.where(msq > 0, total / (safe.sqrt() * z[0].numel()), 0.0)
+    rough_h = (z[..., 1:, :] - z[..., :-1, :]).square().flatten(1).mean(1) if z.shape[2] > 1 else 0
+    rough_w = (z[..., :, 1:] - z[..., :, :-1]).square().flatten(1).mean(1) if z.shape[3] > 1 else 0
+    energy = z.square().sum(1).flatten(1)  # [N, positions]
+    mean_energy = (msq * channels).clamp_min(torch.finfo(torch.float32).tiny)[:, None]
+    flat = z.flatten(2)
+    spread = (flat - flat.median(dim=2, keepdim=True).values).square().sum(1)
+    scalars = [
+        msq,
+        cos,
+        z.pow(4).flatten(1).mean(1) / safe / safe,
+        (rough_h + rough_w) / (2 * safe) * (msq > 0),
+        energy.max(1).values / mean_energy[:, 0],
+        z.abs().flatten(1).mean(1) / safe.sqrt() * (msq > 0),
+    ]
+    return torch.cat(
+        [
+            torch.stack([torch.as_tensor(c, dtype=torch.float32).expand(n) for c in scalars], 1),
+            _sorted_quantiles(energy, ENERGY_QUANTILES) / mean_energy,
+            _sorted_quantiles(spread, SPREAD_QUANTILES) / mean_energy,
+        ],
+        dim=1,
+    )
 
 
 def head_statistics(logits: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from detector import networks
 from detector.bundle import DETECTOR_FILE, MANIFEST_FILE, load_bundle, write_bundle
 from detector.calibration import Calibration
 from detector.errors import ArtefactError, InputError
-from detector.features import extract_features
+from detector.features import FeatureSpec, extract_features
 from detector.forest import TransportDetector
 from detector.guard import Guard
 from detector.preprocessing import prepare_images, scale_uint8
@@ -203,6 +203,28 @@ def test_quantile_bundle_round_trip(tmp_path: Path, run: dict) -> None:
     x = _images(10, 7, True)
     features, _ = extract_features(run["model"], x)
     np.testing.assert_allclose(guard.predict(x).scores, detector.score(features), atol=1e-5)
+
+
+def test_bundle_with_every_feature_group_scores_as_its_detector(tmp_path: Path, run: dict) -> None:
+    spec = FeatureSpec(embeddings=True, start=True, head=True, extra_directions=1, line_shape=True)
+    clean, _ = extract_features(run["model"], _images(80, 6, False), spec=spec)
+    detector = QuantileDetector(fpr=0.1).fit(clean)
+    out = write_bundle(
+        tmp_path / "all",
+        network_dir=run["network_dir"],
+        detector=detector,
+        calibration=Calibration.from_scores(detector.score(clean), 0.1),
+        name="all",
+        dataset="d",
+        features=spec,
+    )
+    manifest = load_bundle(out).manifest
+    assert manifest.detector.feature_spec == spec
+    assert "start_energy_q05" in manifest.detector.feature_names
+    x = _images(10, 7, True)
+    features, _ = extract_features(run["model"], x, spec=spec)
+    scores = Guard.from_bundle(out, device="cpu").predict(x).scores
+    np.testing.assert_allclose(scores, detector.score(features), atol=1e-5)
 
 
 @pytest.fixture

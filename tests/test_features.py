@@ -15,7 +15,9 @@ from detector.features import (
     check_features,
     extract_features,
     feature_names,
+    head_statistics,
     sign_directions,
+    spatial_statistics,
 )
 from detector.taps import Tap, Taps
 
@@ -62,6 +64,65 @@ def test_features_equal_hand_computation(tiny_network: torch.nn.Module) -> None:
     expected_matrix = torch.stack(expected, dim=1).float()
     assert torch.allclose(features, expected_matrix, rtol=1e-4, atol=1e-6)
     assert (features[:, -1] >= 1.0 - 1e-5).all()  # LSS >= 1
+
+
+def test_start_embedding_and_head_groups_equal_hand_computation(
+    tiny_network: torch.nn.Module,
+) -> None:
+    x = torch.rand(5, 1, 28, 28, generator=torch.Generator().manual_seed(3))
+    spec = FeatureSpec(embeddings=True, start=True, head=True)
+    with torch.no_grad(), TransportFeatureExtractor(tiny_network, spec) as fx:
+        logits = tiny_network(x)
+        features = fx.features()
+        start = tiny_network.stem(tiny_network.normalize(x))
+        states = [start]
+        for block in tiny_network.blocks:
+            states.append(block(states[-1]))
+    names = fx.feature_names
+    assert names == spec.names(2) and features.shape == (5, len(names))
+    for m, state in enumerate(states[1:]):
+        flat = state.flatten(1).double()
+        d = flat.shape[1]
+        np.testing.assert_allclose(
+            features[:, names.index(f"emb_msq_{m}")], flat.square().mean(1), rtol=1e-4
+        )
+        np.testing.assert_allclose(
+            features[:, names.index(f"emb_cos_{m}")],
+            flat.sum(1) / (flat.norm(dim=1) * math.sqrt(d)),
+            rtol=1e-4,
+            atol=1e-6,
+        )
+    first_start = names.index("start_msq")
+    np.testing.assert_allclose(
+        features[:, first_start : first_start + 12], spatial_statistics(start), rtol=1e-5
+    )
+    np.testing.assert_allclose(features[:, -3:], head_statistics(logits), rtol=1e-5)
+
+
+def test_spatial_statistics_known_answers() -> None:
+    constant = torch.full((2, 3, 6, 6), 2.0)
+    stats = spatial_statistics(constant)
+    #        msq cos kurt rough peak l1 energy quantiles  spread quantiles
+    expected = [4, 1, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0]
+    np.testing.assert_allclose(stats, [expected, expected], atol=1e-6)
+    np.testing.assert_array_equal(spatial_statistics(torch.zeros(1, 2, 4, 4)), np.zeros((1, 12)))
+
+    # One hot position in a flat map: energy all at the peak, low quantiles 0, kurtosis = HW.
+    spike = torch.zeros(1, 1, 4, 4)
+    spike[0, 0, 1, 2] = 3.0
+    msq, cos, kurt, rough, peak, l1, q05, q25, q50, s10, s25, s50 = spatial_statistics(spike)[0]
+    assert msq == pytest.approx(9 / 16) and cos == pytest.approx(3 / (3 * 4))
+    assert kurt == pytest.approx(16) and peak == pytest.approx(16) and l1 == pytest.approx(0.25)
+    assert rough == pytest.approx((18 / 12 + 18 / 12) / (2 * 9 / 16))
+    assert (q05, q25, q50, s10, s25, s50) == (0, 0, 0, 0, 0, 0)
+
+    # Noise on a flat background raises the low quantiles the clean map has at 0.
+    background = torch.zeros(1, 2, 8, 8)
+    background[..., 2:6, 2:6] = 1.0
+    noisy = background + 0.03 * torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(0))
+    assert spatial_statistics(background)[0, 6] == 0 and spatial_statistics(noisy)[0, 6] > 0
+    with pytest.raises(ConfigError, match=r"\[N, C, H, W\] state"):
+        spatial_statistics(torch.zeros(2, 3, 4))
 
 
 def test_sign_directions_are_balanced_fixed_and_nearly_orthogonal() -> None:

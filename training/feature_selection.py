@@ -39,6 +39,7 @@ def union_spec(candidates: Sequence[FeatureSpec]) -> FeatureSpec:
         line_shape=any(c.line_shape for c in candidates),
         embeddings=any(c.embeddings for c in candidates),
         head=any(c.head for c in candidates),
+        start=any(c.start for c in candidates),
     )
 
 

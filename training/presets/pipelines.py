@@ -26,6 +26,7 @@ class FeatureOptions(BaseModel):
     extra_directions: int = Field(0, ge=0, le=64)
     line_shape: bool = False
     head: bool = False
+    start: bool = False
 
     def spec(self) -> FeatureSpec:
         return FeatureSpec(
@@ -33,17 +34,20 @@ class FeatureOptions(BaseModel):
             line_shape=self.line_shape,
             embeddings=self.embeddings,
             head=self.head,
+            start=self.start,
         )
 
 
-# Seed 003 §5.3.1's feature sets, growing: residues; + embeddings; + the classifier's head; + extra
-# directions and the line-shape score. The pipeline picks one on the training side.
+# Seed 003 §5.3.1's feature sets, growing: residues; + the classifier's head; + embeddings; + the
+# trajectory's start x_0 (how its energy spreads over the image); + extra directions and the
+# line-shape score. The pipeline picks one on the training side.
 FEATURE_CANDIDATES = [
     FeatureOptions(),
-    FeatureOptions(embeddings=True),
     FeatureOptions(head=True),
     FeatureOptions(embeddings=True, head=True),
-    FeatureOptions(embeddings=True, head=True, extra_directions=4, line_shape=True),
+    FeatureOptions(start=True, head=True),
+    FeatureOptions(embeddings=True, start=True, head=True),
+    FeatureOptions(embeddings=True, start=True, head=True, extra_directions=4, line_shape=True),
 ]
 
 
