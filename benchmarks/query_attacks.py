@@ -14,6 +14,10 @@ Starts `lapguard serve` on a bundle (query memory in process, action 'flag'), th
 
     LAPGUARD_DATA=data .venv/bin/python benchmarks/query_attacks.py --bundle runs/smoke/bundle \
         [--runs 10] [--clients 100] [--images 100]
+
+``--network DIR`` (a network saved by `lapguard train`) serves that network instead, in a bundle
+written beside it with the zero-shot quantile detector fitted on 2,000 clean training images (the
+query memory does not read the detector; this only makes a servable bundle without attacks).
 """
 
 from __future__ import annotations
@@ -184,9 +188,36 @@ def run_benign(url: str, images: np.ndarray, args) -> None:
     )
 
 
+def bundle_for(network_dir: Path) -> Path:
+    """``network_dir``/stateful-bundle, written once: the network + a zero-shot quantile detector."""
+    from detector.bundle import write_bundle
+    from detector.calibration import Calibration, calibrate_threshold, empirical_fpr
+    from detector.features import extract_features
+    from detector.networks import load
+    from detector.quantile import QuantileDetector
+
+    out = network_dir / "stateful-bundle"
+    if (out / "manifest.json").is_file():
+        return out
+    network = load(network_dir)
+    clean, _ = to_arrays(load_dataset("fashion-mnist", "train"), 2000, seed=0)
+    features, logits = extract_features(network, clean)
+    fit, held = slice(0, 1000), slice(1000, None)
+    detector = QuantileDetector().fit(features[fit])
+    scores = detector.score(features[held], logits[held].argmax(1))
+    threshold = calibrate_threshold(scores, 0.05)
+    calibration = Calibration(
+        threshold=threshold, target_fpr=0.05, achieved_fpr=empirical_fpr(scores, threshold), n=1000
+    )
+    return write_bundle(out, network_dir=network_dir, detector=detector, calibration=calibration,
+                        name=network_dir.name, dataset="fashion-mnist")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bundle", type=Path, required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--bundle", type=Path)
+    source.add_argument("--network", type=Path, help="a trained network directory")
     parser.add_argument("--runs", type=int, default=10, help="attack runs per attack")
     parser.add_argument("--attacks", nargs="+", default=["hsj", "boundary", "square"])
     parser.add_argument("--eps", type=float, default=0.1, help="Square's L-inf budget")
@@ -196,7 +227,8 @@ def main() -> None:
     args = parser.parse_args()
     images, labels = to_arrays(load_dataset("fashion-mnist", "test"))
     env = {"LAPGUARD_QUERY_MEMORY": "memory", "LAPGUARD_MAX_QUEUE": "4096"}
-    process, url = start_server(args.bundle, flags=[], env=env)
+    bundle = args.bundle if args.bundle is not None else bundle_for(args.network)
+    process, url = start_server(bundle, flags=[], env=env)
     try:
         model = httpx.get(url + "/v1/model", timeout=10).json()["name"]
         probe = Oracle(

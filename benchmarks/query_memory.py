@@ -8,9 +8,13 @@ Prints:
    and of noisy copies (as HopSkipJump's gradient probes);
 2. bytes per client and the in-process bound at the default settings;
 3. time per request of ``QueryMemory.observe`` (one image) against a client holding 10,000
-   stored queries, in process and (with ``--redis URL``) in Redis.
+   stored queries, in process and (with ``--redis URL``) in Redis;
+4. with ``--bundle B``: the latency a served single-image request gains from the check: two
+   `lapguard serve` processes on the bundle, memory off vs in process with this client's history
+   filled with 10,000 stored queries; requests alternate between them (medians of each).
 
     LAPGUARD_DATA=data .venv/bin/python benchmarks/query_memory.py [--redis redis://127.0.0.1:6379/0]
+        [--bundle runs/smoke/bundle]
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
+import sys
 import time
+from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 from PIL import Image
@@ -34,6 +41,9 @@ from service.query_memory import (
 )
 from service.settings import Settings
 from training.data import load_dataset, to_arrays
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_server import start_server, stop_server  # noqa: E402
 
 QUANTILES = (0.0001, 0.001, 0.01, 0.05, 0.5)
 
@@ -95,11 +105,56 @@ def lookup_time(store: QueryStore, settings: Settings, stored: int, repeats: int
     return statistics.median(times)
 
 
+def _fill_history(url: str, stored: int, rng: np.random.Generator) -> None:
+    """Send ``stored`` distinct random images through /v2 (FP32, 64 a request)."""
+    model = httpx.get(url + "/v1/model", timeout=10).json()["name"]
+    for start in range(0, stored, 64):
+        x = rng.random((min(64, stored - start), 1, 28, 28), dtype=np.float32)
+        body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32"}]}
+        body["inputs"][0]["data"] = x.ravel().tolist()
+        response = httpx.post(f"{url}/v2/models/{model}/infer", json=body, timeout=60)
+        response.raise_for_status()
+        flags = [o["data"] for o in response.json()["outputs"] if o["name"] == "query_attack"]
+        assert not any(flags[0]), "random filler images were flagged"
+
+
+def served_latency(bundle: Path, stored: int, rounds: int) -> None:
+    """Median single-image /v1/predict latency without and with the check, interleaved."""
+    common = {"LAPGUARD_MAX_QUEUE": "4096", "LAPGUARD_QUERY_HISTORY": str(stored)}
+    off, off_url = start_server(bundle, flags=[], env={**common, "LAPGUARD_QUERY_MEMORY": "off"})
+    on, on_url = start_server(bundle, flags=[], env={**common, "LAPGUARD_QUERY_MEMORY": "memory"})
+    try:
+        rng = np.random.default_rng(0)
+        _fill_history(on_url, stored, rng)
+        times: dict[str, list[float]] = {off_url: [], on_url: []}
+        with httpx.Client(timeout=30) as client:
+            for i in range(rounds):
+                image = (rng.random((28, 28)) * 255).astype(np.uint8)
+                buffer = io.BytesIO()
+                Image.fromarray(image).save(buffer, "PNG")
+                files = {"files": ("x.png", buffer.getvalue(), "image/png")}
+                for url in (off_url, on_url) if i % 2 == 0 else (on_url, off_url):
+                    start = time.perf_counter()
+                    response = client.post(url + "/v1/predict", files=files)
+                    times[url].append(time.perf_counter() - start)
+                    response.raise_for_status()
+        without, with_check = (statistics.median(times[u]) * 1e3 for u in (off_url, on_url))
+        print(
+            f"served single-image latency, {rounds} interleaved rounds, {stored} stored queries: "
+            f"off {without:.3f} ms, on {with_check:.3f} ms, added {with_check - without:+.3f} ms (medians)"
+        )
+    finally:
+        stop_server(off)
+        stop_server(on)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--redis", default=None, help="also time a Redis store at this URL")
     parser.add_argument("--stored", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=500)
+    parser.add_argument("--bundle", type=Path, default=None, help="also time a served request")
+    parser.add_argument("--rounds", type=int, default=400)
     args = parser.parse_args()
     torch.set_num_threads(1)
     settings = Settings(query_history=args.stored)
@@ -129,6 +184,8 @@ def main() -> None:
         seconds = lookup_time(redis_store, settings, args.stored, args.repeats // 5)
         print(f"redis observe, {args.stored} stored: median {seconds * 1e3:.3f} ms")
         redis_store.close()
+    if args.bundle:
+        served_latency(args.bundle, args.stored, args.rounds)
 
 
 if __name__ == "__main__":
