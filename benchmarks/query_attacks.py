@@ -115,8 +115,8 @@ def run_attacks(url: str, model: str, images: np.ndarray, labels: np.ndarray, ar
                 with contextlib.suppress(Detected):  # the run ends at the first flagged query
                     _attack(name, classifier, args.eps).generate(image[None], y=np.eye(10)[[label]])
                 found.append(oracle.detected_at)
-                if oracle.detected_at is None:
-                    print(f"  {name}: run undetected after {oracle.queries} queries", flush=True)
+                if oracle.detected_at is None:  # the attack ended first (Square: it succeeded)
+                    print(f"  {name}: attack ended undetected after {oracle.queries} queries")
         detected = [q for q in found if q is not None]
         median = statistics.median(detected) if detected else float("nan")
         print(
@@ -224,9 +224,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--images", type=int, default=100, help="distinct images per client")
     parser.add_argument("--skip-benign", action="store_true")
+    parser.add_argument("--neighbours", type=int, default=None, help="LAPGUARD_QUERY_NEIGHBOURS")
     args = parser.parse_args()
     images, labels = to_arrays(load_dataset("fashion-mnist", "test"))
     env = {"LAPGUARD_QUERY_MEMORY": "memory", "LAPGUARD_MAX_QUEUE": "4096"}
+    if args.neighbours is not None:
+        env["LAPGUARD_QUERY_NEIGHBOURS"] = str(args.neighbours)
     bundle = args.bundle if args.bundle is not None else bundle_for(args.network)
     process, url = start_server(bundle, flags=[], env=env)
     try:

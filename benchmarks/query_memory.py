@@ -118,6 +118,17 @@ def _fill_history(url: str, stored: int, rng: np.random.Generator) -> None:
         assert not any(flags[0]), "random filler images were flagged"
 
 
+def _check_seconds(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's query-check histogram."""
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("lapguard_query_check_duration_seconds_"):
+            name, value = line.split()[:2]
+            values[name] = float(value)
+    prefix = "lapguard_query_check_duration_seconds_"
+    return values[prefix + "sum"], values[prefix + "count"]
+
+
 def served_latency(bundle: Path, stored: int, rounds: int) -> None:
     """Median single-image /v1/predict latency without and with the check, interleaved."""
     common = {"LAPGUARD_MAX_QUEUE": "4096", "LAPGUARD_QUERY_HISTORY": str(stored)}
@@ -126,6 +137,7 @@ def served_latency(bundle: Path, stored: int, rounds: int) -> None:
     try:
         rng = np.random.default_rng(0)
         _fill_history(on_url, stored, rng)
+        before = _check_seconds(on_url)
         times: dict[str, list[float]] = {off_url: [], on_url: []}
         with httpx.Client(timeout=30) as client:
             for i in range(rounds):
@@ -142,6 +154,11 @@ def served_latency(bundle: Path, stored: int, rounds: int) -> None:
         print(
             f"served single-image latency, {rounds} interleaved rounds, {stored} stored queries: "
             f"off {without:.3f} ms, on {with_check:.3f} ms, added {with_check - without:+.3f} ms (medians)"
+        )
+        total, count = (a - b for a, b in zip(_check_seconds(on_url), before, strict=True))
+        print(
+            f"in-server check (lapguard_query_check_duration_seconds) of those {count:.0f} requests: "
+            f"mean {total / count * 1e3:.3f} ms"
         )
     finally:
         stop_server(off)

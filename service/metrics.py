@@ -75,6 +75,11 @@ class Metrics:
             "queries flagged as part of a query-based black-box attack (stateful detection)",
             registry=r,
         )
+        self.query_check_seconds = self._histogram(
+            "lapguard_query_check_duration_seconds",
+            "time of one request's query-memory check (lookup + store)",
+            _LATENCY_BUCKETS,
+        )
         self.query_store_errors = Counter(
             "lapguard_query_store_errors",
             "requests served unchecked because the query store failed",

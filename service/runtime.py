@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -206,11 +207,13 @@ class Runtime:
         embeddings = getattr(result, "embeddings", None)
         if self.query_memory is None or embeddings is None:
             return flags
+        started = time.perf_counter()
         try:
             flags = await self._in_store(self.query_memory.observe, client, embeddings)
         except QueryStoreError as error:
             self._store_failed(error)
             return flags
+        self.metrics.query_check_seconds.observe(time.perf_counter() - started)
         flagged = int(np.count_nonzero(flags))
         if flagged:
             self.metrics.query_attacks.inc(flagged)

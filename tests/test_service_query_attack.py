@@ -51,10 +51,15 @@ def _attacks_counted(server: LiveServer) -> float:
     return float(server.runtime.metrics.query_attacks._value.get())  # the counter's value
 
 
+def _checks_timed(server: LiveServer) -> float:
+    samples = server.runtime.metrics.query_check_seconds.collect()[0].samples
+    return next(s.value for s in samples if s.name.endswith("_count"))
+
+
 def test_v1_flags_a_near_duplicate_stream_and_counts_it(
     flagging_server: LiveServer, fashion: np.ndarray
 ) -> None:
-    before = _attacks_counted(flagging_server)
+    before, timed = _attacks_counted(flagging_server), _checks_timed(flagging_server)
     flags = []
     for probe in near_duplicates(fashion[0], 2 * K, 0.01, seed=0):
         response = _predict(flagging_server.url, [_png(probe)])
@@ -62,6 +67,7 @@ def test_v1_flags_a_near_duplicate_stream_and_counts_it(
         flags.append(response.json()["results"][0]["query_attack"])
     assert flags == [False] * K + [True] * K
     assert _attacks_counted(flagging_server) - before == K
+    assert _checks_timed(flagging_server) - timed == 2 * K  # one timed check per request
 
 
 def test_v1_does_not_flag_distinct_clean_images(
