@@ -5,6 +5,7 @@ replicas sharing one real Redis refuse the client for the cool-down."""
 from __future__ import annotations
 
 import base64
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,3 +157,19 @@ def test_v2_refusal_uses_the_inference_protocol_error_shape(
         assert statuses == [200] * K + [403, 403]
         assert response.json()["code"] == "query_attack"
         assert isinstance(response.json()["error"], str)
+
+
+def test_an_unreachable_redis_serves_unchecked_and_counts_it(
+    service_bundle: Path, guard, fashion: np.ndarray
+) -> None:
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    settings = _settings(
+        service_bundle, query_memory="redis", redis_url=f"redis://127.0.0.1:{closed}/0"
+    )
+    with LiveServer(settings, guard=guard) as live:
+        response = _predict(live.url, [_png(fashion[4])])
+        assert response.status_code == 200, response.text
+        assert response.json()["results"][0]["query_attack"] is False
+        assert live.runtime.metrics.query_store_errors._value.get() == 1
