@@ -75,7 +75,7 @@ class Prediction(BaseModel):
         description=(
             "true when this client's recent queries hold near-duplicates of this image, as "
             "query-based black-box attacks (HopSkipJump, Boundary, Square) send; stateful, per "
-            "client (API key, else address)"
+            "client (API key, else address); always false when LAPGUARD_QUERY_MEMORY=off"
         )
     )
 
