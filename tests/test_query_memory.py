@@ -27,7 +27,7 @@ from tests.service_helpers import near_duplicates
 from training.data import load_dataset, to_arrays
 
 DEFAULTS = Settings()
-HISTORY = 64
+HISTORY = 512  # holds the whole distinct-image stream; the long stream (1000) wraps it
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_redis_ring_is_bounded_in_bytes(redis_url: str) -> None:
     dim = DEFAULTS.query_embedding_dim
     store = RedisStore(redis_url, history=HISTORY, dim=dim, ttl_s=60, prefix="bound:")
     rng = np.random.default_rng(0)
-    for _ in range(50):
+    for _ in range(200):  # 1400 rows through a ring of HISTORY
         store.add("c", rng.normal(0, 0.1, (7, dim)).astype(np.float32))
     assert redis.Redis.from_url(redis_url).strlen("bound:ring:c") == HISTORY * dim * 2
     store.close()
