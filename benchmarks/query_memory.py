@@ -5,7 +5,8 @@ Prints:
    distances (RMS pixels, value range = 1) between the 10,000 distinct clean Fashion-MNIST test
    images, in the default embedding (dim 64, seed 0), next to the exact pixel-space figures,
    and the distances of the copies benign users send (PNG resend, JPEG re-encode, 1-pixel crop)
-   and of noisy copies (as HopSkipJump's gradient probes);
+   and of noisy copies (as HopSkipJump's gradient probes); and the distance to the k-th nearest
+   same-class image (k = query_neighbours), the benign tail of the k-neighbour rule;
 2. bytes per client and the in-process bound at the default settings;
 3. time per request of ``QueryMemory.observe`` (one image) against a client holding 10,000
    stored queries, in process and (with ``--redis URL``) in Redis;
@@ -61,7 +62,7 @@ def _reencoded(images: np.ndarray, fmt: str, crop: int = 0) -> np.ndarray:
 
 
 def calibration(settings: Settings) -> None:
-    images, _ = to_arrays(load_dataset("fashion-mnist", "test"))
+    images, labels = to_arrays(load_dataset("fashion-mnist", "test"))
     embed = QueryEmbedder(
         (1, 28, 28), (0.0, 1.0), dim=settings.query_embedding_dim, seed=settings.query_seed
     )
@@ -72,6 +73,16 @@ def calibration(settings: Settings) -> None:
         print(
             f"  q={q:<7} embedding {calibrate_distance(embedded, q):.4f}   pixels {calibrate_distance(exact, q):.4f}"
         )
+    k = settings.query_neighbours
+    kth = []
+    for label in np.unique(labels):  # the densest benign client: one class only
+        same = embedded[labels == label].astype(np.float64)
+        squared = (same * same).sum(1)
+        d = np.sqrt(np.maximum(squared[:, None] + squared[None, :] - 2 * same @ same.T, 0.0))
+        d[d <= 1e-6] = np.inf
+        kth.append(np.sort(d, axis=1)[:, k - 1])
+    print(f"distance to the {k}th-nearest same-class test image (~1000 a class), quantiles:")
+    print("  " + "   ".join(f"q={q} {np.quantile(np.concatenate(kth), q):.4f}" for q in QUANTILES))
     first = images[:500]
     base = embed(torch.from_numpy(first)).astype(np.float32)
     rng = np.random.default_rng(0)
