@@ -18,12 +18,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Tools the tests run that pip cannot install: Debian's docker-compose (validates the compose file
-# without an engine). apt-get runs only when the command is absent; `apt-get update` if lists lack.
+# without an engine) and redis-server (the query-memory tests start their own on a loopback port).
+# apt-get runs only when the command is absent; `apt-get update` if lists lack.
 system-tools:
 	@command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || { \
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y -qq docker-compose >/dev/null \
 	  || { apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; }; }
+	@command -v redis-server >/dev/null || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq redis-server >/dev/null \
+	  || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }; }
 
 # Lay out the embedded Fashion-MNIST where torchvision expects it (installs Debian's package when it can).
 data: setup

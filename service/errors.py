@@ -60,6 +60,14 @@ class NotReadyError(RetryableError):
     """The model is not loaded/warmed up yet, or the server is shutting down (503)."""
 
 
+class QueryAttackBlockedError(ServiceError):
+    """The client was flagged for a query-based attack and is refused for a cool-down (403)."""
+
+
+class QueryAttackThrottledError(RetryableError):
+    """The client was flagged for a query-based attack; retry after the cool-down (429)."""
+
+
 # Most specific first: the first matching class decides status and code.
 _STATUS: list[tuple[type[BaseException], int, str]] = [
     (UnauthorizedError, 401, "unauthorized"),
@@ -67,6 +75,8 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (InputTooLargeError, 413, "payload_too_large"),
     (UnsupportedMediaError, 415, "unsupported_media_type"),
     (InputError, 400, "invalid_input"),
+    (QueryAttackBlockedError, 403, "query_attack"),
+    (QueryAttackThrottledError, 429, "query_attack"),
     (OverloadedError, 429, "overloaded"),
     (NotReadyError, 503, "not_ready"),
     (ArtefactError, 500, "artefact_error"),
@@ -77,6 +87,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
 _HTTP_CODES = {
     400: "bad_request",
     401: "unauthorized",
+    403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
     413: "payload_too_large",

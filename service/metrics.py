@@ -70,6 +70,21 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.query_attacks = Counter(
+            "lapguard_query_attacks",
+            "queries flagged as part of a query-based black-box attack (stateful detection)",
+            registry=r,
+        )
+        self.query_check_seconds = self._histogram(
+            "lapguard_query_check_duration_seconds",
+            "time of one request's query-memory check (lookup + store)",
+            _LATENCY_BUCKETS,
+        )
+        self.query_store_errors = Counter(
+            "lapguard_query_store_errors",
+            "requests served unchecked because the query store failed",
+            registry=r,
+        )
         self.ready = Gauge("lapguard_ready", "1 when the model is loaded and warmed up", registry=r)
 
     def _histogram(

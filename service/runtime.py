@@ -8,7 +8,9 @@ event loop; only small images (:data:`INLINE_PIXELS`) are decoded on the loop, i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -18,20 +20,42 @@ import numpy as np
 import torch
 
 from detector.errors import ConfigError, InputError
+from detector.guard import GuardResult
 from detector.images import decode_image, image_pixels
 from service.batching import MicroBatcher
-from service.errors import NotReadyError
+from service.errors import (
+    NotReadyError,
+    QueryAttackBlockedError,
+    QueryAttackThrottledError,
+    ServiceError,
+)
 from service.metrics import Metrics
+from service.query_memory import (
+    InProcessStore,
+    QueryEmbedder,
+    QueryMemory,
+    QueryStore,
+    QueryStoreError,
+    RedisStore,
+)
 from service.settings import Settings
 
 if TYPE_CHECKING:
-    from detector.guard import Guard, GuardResult
+    from detector.guard import Guard
     from detector.networks import InputSpec
 
 logger = logging.getLogger("lapguard.service")
 
 #: Requests with at most this many pixels in all are decoded on the event loop (well under 1 ms).
 INLINE_PIXELS = 256 * 256
+
+
+@dataclasses.dataclass
+class ServedResult(GuardResult):
+    """The Guard's result plus each image's query embedding (float16 ``[N, dim]``), computed in
+    the batch worker from the same prepared batch (no second forward pass)."""
+
+    embeddings: np.ndarray | None = None
 
 
 class Runtime:
@@ -46,6 +70,8 @@ class Runtime:
         self.draining = False
         self.startup_error: BaseException | None = None
         self._warmup_task: asyncio.Task[None] | None = None
+        self.query_memory: QueryMemory | None = None
+        self._embedder: QueryEmbedder | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -60,8 +86,9 @@ class Runtime:
             raise
         self.guard = guard
         s = self.settings
+        self._start_query_memory(guard)
         self.batcher = MicroBatcher(
-            guard.predict,
+            self._predict,
             max_batch_size=s.max_batch_size,
             max_wait_s=s.max_wait_ms / 1000.0,
             max_queue=s.max_queue,
@@ -90,6 +117,8 @@ class Runtime:
             # uvicorn has already waited up to the graceful timeout for in-flight requests; what is
             # left is at most the batch being computed.
             await self.batcher.close(timeout=min(5.0, self.settings.graceful_timeout_s))
+        if self.query_memory is not None:
+            self.query_memory.store.close()
         logger.info("stopped")
 
     def _load(self) -> Guard:
@@ -115,6 +144,102 @@ class Runtime:
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready
         self.metrics.ready.set(1 if ready else 0)
+
+    # ---- stateful detection of query attacks ---------------------------------------------------
+    def _start_query_memory(self, guard: Guard) -> None:
+        s = self.settings
+        if s.query_memory == "off":
+            return
+        spec = guard.input_spec
+        self._embedder = QueryEmbedder(
+            spec.shape, spec.value_range, dim=s.query_embedding_dim, seed=s.query_seed
+        )
+        store: QueryStore
+        if s.query_memory == "redis":
+            store = RedisStore(
+                s.redis_url,
+                history=s.query_history,
+                dim=s.query_embedding_dim,
+                ttl_s=s.query_ttl_s,
+                prefix=f"lapguard:{self.model_name}:{s.query_embedding_dim}:",
+            )
+        else:
+            store = InProcessStore(
+                history=s.query_history, max_clients=s.query_max_clients, dim=s.query_embedding_dim
+            )
+        self.query_memory = QueryMemory(
+            store, distance=s.query_distance, neighbours=s.query_neighbours
+        )
+
+    def _predict(self, batch: torch.Tensor) -> GuardResult:
+        """Batch worker: the Guard's one forward pass, plus the query embeddings when enabled."""
+        result = self.require_guard().predict(batch)
+        if self._embedder is None:
+            return result
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+        return ServedResult(**fields, embeddings=self._embedder(batch))
+
+    async def _in_store(self, call: Any, *args: Any) -> Any:
+        """Run a store call: inline when it is in process, in a worker thread when it does I/O."""
+        assert self.query_memory is not None
+        if self.query_memory.store.blocking:
+            return await anyio.to_thread.run_sync(call, *args)
+        return call(*args)
+
+    async def admit_client(self, client: str) -> None:
+        """Refuse a client still in its cool-down after a query attack (when the action blocks)."""
+        if self.query_memory is None or self.settings.query_attack_action == "flag":
+            return
+        try:
+            left = await self._in_store(self.query_memory.store.blocked_for, client)
+        except QueryStoreError as error:
+            self._store_failed(error)
+            return
+        if left > 0:
+            self.metrics.rejected.labels("query_attack").inc()
+            raise self._refusal(left)
+
+    async def screen_queries(self, client: str, result: GuardResult) -> np.ndarray:
+        """``query_attack`` of each image of a scored request (all false when the memory is off
+        or its store fails); when the action blocks, a flagged request is refused and the client
+        with it for the cool-down."""
+        flags = np.zeros(len(result.labels), dtype=bool)
+        embeddings = getattr(result, "embeddings", None)
+        if self.query_memory is None or embeddings is None:
+            return flags
+        started = time.perf_counter()
+        try:
+            flags = await self._in_store(self.query_memory.observe, client, embeddings)
+        except QueryStoreError as error:
+            self._store_failed(error)
+            return flags
+        self.metrics.query_check_seconds.observe(time.perf_counter() - started)
+        flagged = int(np.count_nonzero(flags))
+        if flagged:
+            self.metrics.query_attacks.inc(flagged)
+            logger.warning("query attack suspected", extra={"client": client, "images": flagged})
+        s = self.settings
+        if flagged and s.query_attack_action != "flag":
+            try:
+                await self._in_store(self.query_memory.store.block, client, s.query_cooldown_s)
+            except QueryStoreError as error:
+                self._store_failed(error)
+            self.metrics.rejected.labels("query_attack").inc()
+            raise self._refusal(s.query_cooldown_s)
+        return flags
+
+    def _refusal(self, seconds: float) -> ServiceError:
+        message = (
+            "this client's queries look like a query-based black-box attack (many near-duplicate "
+            f"images); it is refused for {seconds:.0f} s"
+        )
+        if self.settings.query_attack_action == "429":
+            return QueryAttackThrottledError(message, retry_after=seconds)
+        return QueryAttackBlockedError(message)
+
+    def _store_failed(self, error: QueryStoreError) -> None:
+        self.metrics.query_store_errors.inc()
+        logger.warning("query memory unavailable, request served unchecked: %s", error)
 
     # ---- what is served ------------------------------------------------------------------------
     @property

@@ -29,7 +29,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         413: "body, image or image count over the limit",
         415: "unsupported content type or image format",
         422: "the body does not match the schema",
-        429: "the queue is full; retry after Retry-After seconds",
+        403: "refused for a cool-down after a query-based attack (query_attack_action=403)",
+        429: "the queue is full, or a cool-down after a query-based attack (query_attack_action=429); retry after Retry-After seconds",
         503: "not ready or shutting down; retry after Retry-After seconds",
     }.items()
 }
@@ -70,6 +71,13 @@ class Prediction(BaseModel):
         description="abnormality score; higher = more abnormal; flagged when > threshold"
     )
     threshold: float
+    query_attack: bool = Field(
+        description=(
+            "true when this client's recent queries hold near-duplicates of this image, as "
+            "query-based black-box attacks (HopSkipJump, Boundary, Square) send; stateful, per "
+            "client (API key, else address); always false when LAPGUARD_QUERY_MEMORY=off"
+        )
+    )
 
 
 class PredictResponse(BaseModel):

@@ -13,6 +13,9 @@ from detector.images import DEFAULT_FORMATS, DEFAULT_MAX_PIXELS
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
+#: Default near-duplicate distance; see ``query_distance`` and benchmarks/RESULTS.md.
+QUERY_DISTANCE = 0.046
+
 
 class Settings(BaseSettings):
     """Everything the server can be told. Environment: ``LAPGUARD_<FIELD>`` (e.g. ``LAPGUARD_PORT``)."""
@@ -66,6 +69,54 @@ class Settings(BaseSettings):
         default=20.0, ge=0, description="time to finish in-flight requests on stop"
     )
     warmup: bool = Field(default=True, description="run warm-up forwards before reporting ready")
+
+    # Stateful detection of query-based black-box attacks (service/query_memory.py)
+    query_memory: Literal["off", "memory", "redis"] = Field(
+        default="memory",
+        description="where per-client query histories live: this process, Redis (several replicas), or off",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0", description="the Redis of query_memory=redis"
+    )
+    query_client: Literal["auto", "address"] = Field(
+        default="auto",
+        description="who a client is: auto = the API key it sends when a key is configured, else its address",
+    )
+    query_distance: float = Field(
+        default=QUERY_DISTANCE,
+        gt=0,
+        description=(
+            "two queries are near-duplicates under this RMS pixel distance (value range = 1); "
+            "default: the 0.1% quantile of nearest-neighbour distances between the 10,000 distinct "
+            "clean Fashion-MNIST test images (benchmarks/query_memory.py calibrate)"
+        ),
+    )
+    query_neighbours: int = Field(
+        default=10, ge=1, description="a query is an attack when this many stored ones are near it"
+    )
+    query_history: int = Field(
+        default=1000, ge=1, le=100_000, description="queries remembered per client (a ring)"
+    )
+    query_max_clients: int = Field(
+        default=1024,
+        ge=1,
+        description="clients remembered in process (least recently seen evicted)",
+    )
+    query_embedding_dim: int = Field(default=32, ge=8, le=1024, description="numbers per query")
+    query_seed: int = Field(
+        default=0,
+        description="salt of the random projection; set a private value, the same on every replica",
+    )
+    query_ttl_s: float = Field(
+        default=3600.0, gt=0, description="Redis: a client's history expires after this idle time"
+    )
+    query_attack_action: Literal["flag", "403", "429"] = Field(
+        default="flag",
+        description="flag: answer with query_attack=true; 403/429: refuse the client for the cool-down",
+    )
+    query_cooldown_s: float = Field(
+        default=60.0, gt=0, description="how long a client flagged for a query attack is refused"
+    )
 
     @field_validator("api_key", mode="before")
     @classmethod

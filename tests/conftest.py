@@ -3,6 +3,10 @@ real bundle, its Guard, a live server on it and encoded images."""
 
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,3 +102,35 @@ def images() -> list[bytes]:
     rgb = np.random.default_rng(4).integers(0, 256, (40, 40, 3), dtype=np.uint8)
     large = np.asarray(Image.fromarray(rgb).resize((320, 240), Image.BILINEAR))
     return [*blobs, encode(rgb, "JPEG"), encode(large), encode(arrays[5], "GIF")]
+
+
+# ---- a real redis-server (the query memory shared by replicas) ----------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server (Debian package, installed by `make system-tools`), stopped after."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed: run `make system-tools` (Debian redis-server)")
+    directory: Path = tmp_path_factory.mktemp("redis")
+    port = _free_port()
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory)]
+    command += ["--save", "", "--appendonly", "no"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

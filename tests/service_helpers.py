@@ -27,6 +27,7 @@ PREDICTION_KEYS = {
     "flagged",
     "score",
     "threshold",
+    "query_attack",
 }
 
 
@@ -36,6 +37,13 @@ def synthetic_images(n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     coarse = torch.from_numpy(rng.random((n, 1, 7, 7), dtype=np.float32))
     return torch.nn.functional.interpolate(coarse, size=(28, 28), mode="bilinear").numpy()
+
+
+def near_duplicates(image: np.ndarray, n: int, sigma: float, seed: int) -> np.ndarray:
+    """``n`` copies of ``image`` with Gaussian noise, clipped to [0, 1] (HopSkipJump-like probes)."""
+    rng = np.random.default_rng(seed)
+    noisy = image[None] + rng.normal(0, sigma, (n, *image.shape))
+    return np.clip(noisy, 0, 1).astype(np.float32)
 
 
 def encode(array: np.ndarray, fmt: str = "PNG") -> bytes:

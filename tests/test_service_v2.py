@@ -32,6 +32,7 @@ def test_v2_metadata_and_health(client) -> None:
         "label",
         "flagged",
         "score",
+        "query_attack",
     ]
 
 
@@ -161,13 +162,14 @@ def test_v2_with_the_stock_kserve_triton_client(server, guard, images) -> None:
             tensor.set_data_from_numpy(x, binary_data=binary)
             outputs = [
                 httpclient.InferRequestedOutput(n, binary_data=binary)
-                for n in ("probabilities", "label", "flagged", "score")
+                for n in ("probabilities", "label", "flagged", "score", "query_attack")
             ]
             # a fresh dict per call: the client writes Inference-Header-Content-Length into it
             result = client.infer("tiny", [tensor], outputs=outputs, headers=dict(headers))
             reference = guard.predict(x)
             assert result.as_numpy("label").tolist() == reference.labels.tolist()
             assert result.as_numpy("flagged").tolist() == reference.flagged.tolist()
+            assert result.as_numpy("query_attack").tolist() == [False] * 4
             np.testing.assert_allclose(
                 result.as_numpy("probabilities"), reference.probabilities, atol=1e-5
             )

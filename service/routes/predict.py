@@ -12,7 +12,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from detector.errors import InputError, InputTooLargeError, UnsupportedMediaError
-from service.deps import RuntimeDep
+from service.deps import RuntimeDep, client_of
 from service.routes.inference import inference_route
 from service.runtime import Runtime
 from service.schemas import ModelRef, Prediction, PredictRequest, PredictResponse
@@ -49,6 +49,8 @@ _ACCEPTED_PART_TYPES = ("image/", "application/octet-stream")
 )
 async def predict(request: Request, runtime: RuntimeDep) -> PredictResponse:
     runtime.check_ready()  # refuse before reading the body
+    client = client_of(request, runtime)
+    await runtime.admit_client(client)
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type == "multipart/form-data":
         blobs, names, filenames = await _read_multipart(request, runtime)
@@ -60,6 +62,7 @@ async def predict(request: Request, runtime: RuntimeDep) -> PredictResponse:
             'field "files", or application/json {"instances": [{"b64": "..."}]}'
         )
     result = await runtime.score_encoded(blobs, names)
+    query_attack = await runtime.screen_queries(client, result)
     class_names = runtime.class_names
     return PredictResponse(
         model=ModelRef(name=runtime.model_name, version=runtime.model_version),
@@ -73,6 +76,7 @@ async def predict(request: Request, runtime: RuntimeDep) -> PredictResponse:
                 flagged=bool(result.flagged[i]),
                 score=float(result.scores[i]),
                 threshold=float(result.threshold),
+                query_attack=bool(query_attack[i]),
             )
             for i in range(len(blobs))
         ],

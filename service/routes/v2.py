@@ -4,7 +4,8 @@ The model takes ONE input per request, either ``input`` (FP32 ``[N, C, H, W]`` i
 value range) or ``image`` (BYTES ``[N]``: encoded PNG/JPEG/... files; base64 strings in JSON, raw
 in the binary extension). Any input name is accepted; the datatype decides. Outputs:
 ``probabilities`` FP32 ``[N, K]``, ``label`` INT64 ``[N]``, ``flagged`` BOOL ``[N]``,
-``score`` FP32 ``[N]`` (higher = more abnormal).
+``score`` FP32 ``[N]`` (higher = more abnormal), ``query_attack`` BOOL ``[N]`` (the client's
+recent queries hold near-duplicates of the image: stateful detection of query-based attacks).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fastapi import APIRouter, Request, Response
 
 import detector
 from detector.errors import InputError, UnsupportedMediaError
-from service.deps import RuntimeDep
+from service.deps import RuntimeDep, client_of
 from service.errors import ModelNotFoundError
 from service.inference_protocol import (
     HEADER_LENGTH,
@@ -109,6 +110,12 @@ async def model_metadata(
                 shape=[-1],
                 parameters={"direction": "higher = more abnormal"},
             ),
+            TensorMetadata(
+                name="query_attack",
+                datatype="BOOL",
+                shape=[-1],
+                parameters={"meaning": "near-duplicates in this client's recent queries"},
+            ),
         ],
         parameters={"class_names": runtime.class_names},
     )
@@ -154,6 +161,8 @@ async def infer(
 ) -> Response:
     _check_model(runtime, name, version)
     runtime.check_ready()
+    client = client_of(request, runtime)
+    await runtime.admit_client(client)
     encoding = request.headers.get("content-encoding", "identity").lower()
     if encoding not in ("", "identity"):
         raise UnsupportedMediaError(
@@ -178,11 +187,13 @@ async def infer(
         raise InputError(
             f"input {tensor.name!r} has datatype {tensor.datatype}; send FP32 [N, C, H, W] or BYTES encoded images"
         )
+    query_attack = await runtime.screen_queries(client, result)
     available = [
         OutputTensor("probabilities", "FP32", np.asarray(result.probabilities, dtype=np.float32)),
         OutputTensor("label", "INT64", np.asarray(result.labels, dtype=np.int64)),
         OutputTensor("flagged", "BOOL", np.asarray(result.flagged, dtype=bool)),
         OutputTensor("score", "FP32", np.asarray(result.scores, dtype=np.float32)),
+        OutputTensor("query_attack", "BOOL", query_attack),
     ]
     outputs, binary = encode_outputs(payload, available)
     header: dict[str, Any] = InferenceResponse(
