@@ -4,8 +4,11 @@ For each pair (``cw`` / ``cw-batched``, ``deepfool`` / ``deepfool-batched``), bo
 seed's parameters on the first N test images of the seeded order (those of ``attack_costs.py``)
 through :func:`training.attacks.generate`, without any cache. Prints a markdown table: success
 rate on originally correct images, median L2 over the fooled ones, s/image, and the batched /
-ART ratios, with issue 11's bar (success within 3 points, median L2 within 15%). Run alone: other
-jobs on 2 cores distort timings.
+ART ratios, with issue 11's bar (success within 3 points, median L2 within 15%); then how far the
+two sets of images are apart (max |pixel difference|) and how many images each leaves on the
+decision boundary (|top-2 logit margin| < 1e-4, where float rounding decides "fooled": DeepFool's
+ART-default overshoot of 1e-6 leaves almost every image there). Run alone: other jobs on 2 cores
+distort timings.
 
     .venv/bin/python benchmarks/minimal_attacks.py runs/quick/models/vanilla [--n 200]
 """
@@ -34,8 +37,8 @@ def measure(
     *,
     batch_size: int | None,
     device: str,
-) -> tuple[float, float, float]:
-    """(success rate on originally correct images, median L2 of the fooled ones, s/image)."""
+) -> tuple[float, float, float, np.ndarray]:
+    """(success rate on originally correct images, median L2 of the fooled ones, s/image, images)."""
     started = time.perf_counter()
     adv = generate(model, x, y, attack, batch_size=batch_size, device=device, progress=False)
     seconds = (time.perf_counter() - started) / len(x)
@@ -44,7 +47,17 @@ def measure(
     l2 = np.linalg.norm((adv.astype(np.float64) - x).reshape(len(x), -1), axis=1)
     rate = fooled.sum() / max(int(correct.sum()), 1)
     median = float(np.median(l2[fooled])) if fooled.any() else float("nan")
-    return float(rate), median, seconds
+    return float(rate), median, seconds, adv
+
+
+def on_boundary(model: torch.nn.Module, x: np.ndarray, adv: np.ndarray, tol: float = 1e-4) -> int:
+    """How many of ``adv`` lie within ``tol`` (logits) of the boundary of the class of ``x``."""
+    with torch.no_grad():
+        predicted = model(torch.as_tensor(x)).argmax(1, keepdim=True)
+        z = model(torch.as_tensor(adv)).double()
+    own = z.gather(1, predicted)[:, 0]
+    margin = z.scatter(1, predicted, float("-inf")).max(1).values - own
+    return int((margin.abs() < tol).sum())
 
 
 def main() -> None:
@@ -68,6 +81,7 @@ def main() -> None:
         "| attack | success | median L2 | s/image | success diff (pts) | L2 ratio | speed-up | bar |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    notes = []
     for art, ours in PAIRS if args.only is None else [p for p in PAIRS if p[0] == args.only]:
         a = measure(model, x, y, art, batch_size=args.art_batch, device=args.device)
         b = measure(model, x, y, ours, batch_size=args.batched_batch, device=args.device)
@@ -79,8 +93,15 @@ def main() -> None:
             f"| {a[2] / b[2]:.1f}x | {'met' if ok else 'MISSED'} |",
             flush=True,
         )
+        gap = float(np.abs(a[3] - b[3]).max())
+        boundary = (on_boundary(model, x, a[3]), on_boundary(model, x, b[3]))
+        notes.append(
+            f"{art}: max |pixel difference| batched vs ART {gap:.2e}; on the boundary "
+            f"(|margin| < 1e-4): ART {boundary[0]}/{len(x)}, batched {boundary[1]}/{len(x)}"
+        )
+    print("\n" + "\n".join(notes))
     print(
-        f"\nn={len(x)}; medians over fooled, originally correct images; "
+        f"n={len(x)}; medians over fooled, originally correct images; "
         f"torch threads {torch.get_num_threads()}; device {args.device}"
     )
 
