@@ -327,6 +327,37 @@ def _run_bundle(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- diagnose (issue 13: network dynamics) ----------------------------------------------------
+def _add_diagnose(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "diagnose",
+        help="network dynamics of a run: line shape, OT score, layer-wise W-distances (seeds 000-004)",
+    )
+    p.add_argument("--run", type=Path, required=True, help="run directory holding models/<name>/")
+    p.add_argument("--model", default=None, help="only models/<MODEL> (default: every network)")
+    p.add_argument("--n", type=int, default=1000, help="test images per set (default 1000)")
+    p.add_argument("--attacks", action="store_true", help="also the run's cached adversarial sets")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--root", type=Path, default=None, help="data root")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=_run_diagnose)
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    from training.console import diagnose_lines
+    from training.diagnose import DiagnoseOptions, diagnose_run
+
+    result = diagnose_run(
+        args.run,
+        model=args.model,
+        options=DiagnoseOptions(n=args.n, attacks=args.attacks),
+        root=args.root,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    return _print_lines(diagnose_lines(result))
+
+
 # ---- demo ------------------------------------------------------------------------------------
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -542,6 +573,7 @@ PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_attack,
     _add_pipeline,
     _add_steps,
+    _add_diagnose,
     _add_demo,
     _add_serve,
     _add_score,

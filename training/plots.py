@@ -274,3 +274,32 @@ def plot_learning_curves(
         ax.legend(loc="lower right", fontsize="small")
     _finish(fig, title)
     return _save(fig, path)
+
+
+def plot_block_curves(
+    grid: Mapping[str, Mapping[str, Mapping[str, Sequence[float | None]]]],
+    path: str | Path,
+    *,
+    clean: str = "clean",
+    title: str = "",
+) -> Path:
+    """Per-block curves: one row per key of `grid` (e.g. a network, or "clean"), one column per
+    measure (its key is the y label), one line per `label: values` (None = not defined there,
+    drawn as a gap); the `clean` line in black. x is the block (or layer) index."""
+    path = Path(path)
+    rows = max(1, len(grid))
+    cols = max(1, max((len(measures) for measures in grid.values()), default=1))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows + 0.5), squeeze=False)
+    for r, (row_name, measures) in enumerate(grid.items()):
+        for c, (measure, lines) in enumerate(measures.items()):
+            ax = axes[r][c]
+            for label, values in lines.items():
+                y = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+                style = _CLEAN_STYLE if label == clean else {"linewidth": 1.2}
+                ax.plot(np.arange(len(y)), y, marker="o", markersize=3, label=label, **style)
+            ax.set(title=f"{row_name}: {measure}" if row_name else measure, xlabel="block / layer")
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="x-small", loc="best")
+    _finish(fig, title)
+    return _save(fig, path)
