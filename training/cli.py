@@ -70,6 +70,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N (overrides the config)")
     p.add_argument("--epochs", type=int, default=None, help="override the number of epochs")
     p.add_argument("--seed", type=int, default=None, help="override the seed")
+    p.add_argument(
+        "--monitor",
+        action="store_true",
+        help="record per epoch the layer-wise W-distances (seed 000) and the ICS (seed 004) "
+        "in metrics.jsonl and training_curve.png (default: the config's monitors)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=_run_train)
 
@@ -84,6 +90,8 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.preset is None and args.config is None:
         raise UsageError("train needs --preset NAME or --config FILE (see --list-presets)")
     overrides = {"device": args.device, "epochs": args.epochs, "seed": args.seed}
+    if args.monitor:
+        overrides["monitors"] = {}  # MonitorSettings' defaults
     config = resolve_train_config(preset=args.preset, config_file=args.config, overrides=overrides)
     out = args.out or Path("runs") / config.name
     last = train(config, out, root=args.root, progress=not args.no_progress)
