@@ -342,6 +342,12 @@ def _add_diagnose(sub: argparse._SubParsersAction) -> None:
         help="network dynamics of a run: line shape, OT score, layer-wise W-distances (seeds 000-004)",
     )
     p.add_argument("--run", type=Path, required=True, help="run directory holding models/<name>/")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="train the preset's networks into RUN first and measure the seeds' claims "
+        "(preset: diagnose)",
+    )
     p.add_argument("--model", default=None, help="only models/<MODEL> (default: every network)")
     p.add_argument("--n", type=int, default=1000, help="test images per set (default 1000)")
     p.add_argument("--attacks", action="store_true", help="also the run's cached adversarial sets")
@@ -353,8 +359,20 @@ def _add_diagnose(sub: argparse._SubParsersAction) -> None:
 
 def _run_diagnose(args: argparse.Namespace) -> int:
     from training.console import diagnose_lines
-    from training.diagnose import DiagnoseOptions, diagnose_run
+    from training.diagnose import DiagnoseOptions, diagnose_run, run_diagnose_preset
 
+    if args.preset is not None:
+        from training.presets.pipelines import get_diagnose_preset
+
+        if args.model or args.attacks or args.n != 1000:
+            raise UsageError("--preset sets the networks and images; drop --model/--attacks/--n")
+        config = get_diagnose_preset(args.preset)
+        if args.device != "auto":
+            config = config.model_copy(update={"device": args.device})
+        result = run_diagnose_preset(
+            config, args.run, root=args.root, progress=not args.no_progress
+        )
+        return _print_lines(diagnose_lines(result))
     result = diagnose_run(
         args.run,
         model=args.model,

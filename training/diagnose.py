@@ -33,11 +33,13 @@ from detector import artefacts, dynamics, networks
 from detector.errors import ArtefactError, ConfigError
 from training import adversarial
 from training.pipeline import perturbed
+from training.presets.pipelines import DiagnoseConfig
 from training.probes import fit_probes
 from training.rundir import RunDir
 
 DIAGNOSE_VERSION = 1
 CLEAN = "clean"
+DIAGNOSE_CONFIG_FILE = "diagnose_config.json"  # the `diagnose` preset's config, in its run
 
 
 @dataclass(frozen=True)
@@ -425,3 +427,38 @@ def claim_rows(result: Mapping[str, Any]) -> list[list[str]]:
         [c["claim"], c["seed"], c["measured"], "holds" if c["holds"] else "does not hold"]
         for c in result.get("claims", [])
     ]
+
+
+# ---- the `diagnose` preset -----------------------------------------------------------------------
+def run_diagnose_preset(
+    config: DiagnoseConfig, run_dir: str | Path, *, root: Path | None = None, progress: bool = True
+) -> dict[str, Any]:
+    """Train the preset's networks into ``RUN/models/<role>/`` (each cached and resumable, with
+    the monitors of its training preset), diagnose them and measure the seeds' claims
+    (training/claims.py) into diagnostics.json. Re-running a finished preset is a no-op."""
+    from training.claims import measure_claims
+    from training.presets import get_train_preset
+    from training.trainer import train
+
+    run = RunDir(run_dir)
+    saved = run.path / DIAGNOSE_CONFIG_FILE
+    if saved.is_file():
+        previous = DiagnoseConfig.model_validate_json(saved.read_text())
+        if previous.model_dump(exclude={"device"}) != config.model_dump(exclude={"device"}):
+            raise ConfigError(
+                f"{run_dir} holds a run of another diagnose config; choose a new --run"
+            )
+    else:
+        artefacts.write_text(saved, config.model_dump_json(indent=2))
+    for role, preset in config.models.items():
+        train_config = get_train_preset(preset).model_copy(update={"device": config.device})
+        train(train_config, run.model(role), root=root, progress=progress)
+    options = DiagnoseOptions(n=config.n, probe_n=config.probe_n, ots_n=config.ots_n)
+    result = diagnose_run(
+        run.path, options=options, root=root, device=config.device, progress=progress
+    )
+    claims = measure_claims(result, {role: run.read_metrics(role) for role in config.models})
+    if result.get("claims") != claims:
+        result["claims"] = claims
+        write_diagnostics(run, result)
+    return result
