@@ -151,6 +151,8 @@ def test_diagnostics_are_cached_and_refreshed_when_inputs_change(
     assert changed["networks"]["a"]["sets"]["clean"]["n"] == 20
     assert set(changed["networks"]["a"]["sets"]) == {"clean"}
     assert (RunDir(tiny_run).figures / diagnose.NETWORKS_FIGURE).is_file()
+    # no results.json: the run's report is the dynamics section alone
+    assert "## Network dynamics" in RunDir(tiny_run).report_file.read_text()
     artefacts.write_json(path, diagnosed)  # leave the module's diagnosis in place
 
 

@@ -323,13 +323,17 @@ def read_diagnostics(run: RunDir) -> dict[str, Any] | None:
 
 
 def write_diagnostics(run: RunDir, result: Mapping[str, Any]) -> Path:
-    """diagnostics.json and the dynamics figures; the report too when the run has one."""
+    """diagnostics.json and the dynamics figures; the pipeline's report again when the run has
+    one, else a report of the dynamics alone."""
     path = artefacts.write_json(run.diagnostics_file, result)
     dynamics_figures(result, run.figures)
-    if run.report_file.is_file() and run.results_file.is_file():
-        from training.report import write_report
+    from training.report import write_dynamics_report, write_report
 
-        write_report(run.path)
+    if run.results_file.is_file():
+        if run.report_file.is_file():
+            write_report(run.path)
+    else:
+        write_dynamics_report(run.path)
     return path
 
 

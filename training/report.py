@@ -963,3 +963,11 @@ def write_report(run_dir: Path) -> Path:
         *notes_section(run_dir, config, models, scores),
     ]
     return artefacts.write_text(run.report_file, "\n".join(lines).rstrip() + "\n")
+
+
+def write_dynamics_report(run_dir: Path) -> Path:
+    """RUN/report.md of a run with diagnostics but no detection results (the ``diagnose``
+    preset): the network-dynamics section alone."""
+    run = RunDir(run_dir)
+    lines = [f"# lapguard network dynamics: {run.path.name}", "", *dynamics_section(run.path)]
+    return artefacts.write_text(run.report_file, "\n".join(lines).rstrip() + "\n")

@@ -357,7 +357,7 @@ DIAGNOSE_PRESETS: dict[str, DiagnoseConfig] = {
             "plain": "diagnose-plain-vanilla",
             "unit": "diagnose-unit-vanilla",
         },
-        expected_duration="~30 min on 2 CPU cores (4 networks x 3 epochs on 20,000 images)",
+        expected_duration="<= 45 min on 2 busy CPU cores (4 networks x 3 epochs on 5,000 images)",
     ),
 }
 
