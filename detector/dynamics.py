@@ -48,14 +48,21 @@ def _equal_size(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xs, ys
 
 
+def _cost_matrix(xs: np.ndarray, ys: np.ndarray, p: float) -> np.ndarray:
+    """||x_i - y_j||^p; for p = 2 through one matrix product (wide samples: network states)."""
+    if p != 2.0:
+        return np.asarray(cdist(xs, ys) ** p)
+    squared = (xs**2).sum(1)[:, None] + (ys**2).sum(1)[None, :] - 2.0 * xs @ ys.T
+    return np.maximum(squared, 0.0)
+
+
 def optimal_assignment(x: np.ndarray, y: np.ndarray, *, p: float = 2.0) -> np.ndarray:
     """The permutation sigma minimising sum_i ||x_i - y_sigma(i)||^p (seed 001, eq. 46 for p=2).
 
     Returns ``sigma`` as an int array: x_i is transported to y_{sigma[i]}.
     """
     xs, ys = _equal_size(x, y)
-    cost = cdist(xs, ys) ** p
-    _, sigma = linear_sum_assignment(cost)
+    _, sigma = linear_sum_assignment(_cost_matrix(xs, ys, p))
     return np.asarray(sigma, dtype=np.int64)
 
 
@@ -201,6 +208,22 @@ def label_wasserstein(predicted: np.ndarray, target: np.ndarray, cost: np.ndarra
     return distances
 
 
+def dirac_label_wasserstein(
+    predicted: np.ndarray, labels: np.ndarray, cost: np.ndarray
+) -> np.ndarray:
+    """W(mu_hat, delta_y) = sum_k mu_hat[k] C[k, y] per sample (seed 000, eq. 2 with a one-hot
+    target): the only coupling sends all mass to the label y, so no programme is solved.
+    ``predicted`` is [N, K], ``labels`` [N] ints; with the discrete cost this is 1 - mu_hat[y]."""
+    cost = np.asarray(cost, dtype=np.float64)
+    predicted = _check_histograms("predicted", predicted, cost.shape[0])
+    labels = np.asarray(labels, dtype=np.int64)
+    if labels.shape != (len(predicted),):
+        raise InputError(
+            f"need one label per row of predicted: {labels.shape} vs {predicted.shape}"
+        )
+    return np.einsum("nk,nk->n", predicted, cost[:, labels].T)
+
+
 def layer_label_distances(
     layer_predictions: Sequence[np.ndarray], target: np.ndarray, cost: np.ndarray
 ) -> np.ndarray:
@@ -254,14 +277,22 @@ def block_names(model: nn.Module, tap_names: Sequence[str] | None = None) -> lis
     return [name.rsplit(".", 1)[0] if "." in name else "" for name in names]
 
 
-def _block_tensors(
-    model: nn.Module, x: torch.Tensor, tap_names: Sequence[str] | None
-) -> list[torch.Tensor]:
+def block_tensors(
+    model: nn.Module, x: torch.Tensor, tap_names: Sequence[str] | None = None
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(states, logits) from one forward pass without gradients: x_0 (the first block's input)
+    and each block's output in their own shapes (M+1 detached tensors), and the model's output."""
     blocks = block_names(model, tap_names)
     taps = [Tap(blocks[0], "input")] + [Tap(name, "output") for name in blocks]
     with torch.no_grad(), Taps(model, taps, transform=torch.Tensor.detach) as tapped:
-        model(x)
-        return list(tapped.outputs)
+        logits = model(x)
+        return list(tapped.outputs), logits.detach()
+
+
+def _block_tensors(
+    model: nn.Module, x: torch.Tensor, tap_names: Sequence[str] | None
+) -> list[torch.Tensor]:
+    return block_tensors(model, x, tap_names)[0]
 
 
 def block_states(

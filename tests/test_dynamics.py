@@ -214,3 +214,26 @@ def test_data_tracks_split_at_shape_changes() -> None:
     assert [t.shape[:2] for t in tracks] == [(3, 2)]
     scores = dynamics.network_transport_score(model, torch.rand(8, 3, 32, 32))
     assert len(scores) == 1 and 0.0 <= scores[0] <= 1.0
+
+
+def test_dirac_target_matches_the_linear_programme() -> None:
+    rng = np.random.default_rng(7)
+    predicted = rng.dirichlet(np.ones(4), size=6)
+    labels = np.array([0, 3, 1, 2, 2, 0])
+    for kind in ("discrete", "ordinal"):
+        cost = dynamics.label_cost(4, kind=kind)
+        exact = dynamics.label_wasserstein(predicted, np.eye(4)[labels], cost)
+        assert dynamics.dirac_label_wasserstein(predicted, labels, cost) == pytest.approx(exact)
+    discrete = dynamics.dirac_label_wasserstein(predicted, labels, dynamics.label_cost(4))
+    assert discrete == pytest.approx(1 - predicted[np.arange(6), labels])
+
+
+def test_assignment_on_wide_samples_matches_the_distance_matrix() -> None:
+    # The p = 2 cost is computed by a matrix product; the matching must equal cdist's.
+    from scipy.optimize import linear_sum_assignment
+    from scipy.spatial.distance import cdist
+
+    rng = np.random.default_rng(8)
+    x, y = rng.normal(size=(40, 500)), rng.normal(size=(40, 500)) + 3.0
+    _, expected = linear_sum_assignment(cdist(x, y) ** 2)
+    assert np.array_equal(dynamics.optimal_assignment(x, y), expected)

@@ -70,6 +70,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N (overrides the config)")
     p.add_argument("--epochs", type=int, default=None, help="override the number of epochs")
     p.add_argument("--seed", type=int, default=None, help="override the seed")
+    p.add_argument(
+        "--monitor",
+        action="store_true",
+        help="record per epoch the layer-wise W-distances (seed 000) and the ICS (seed 004) "
+        "in metrics.jsonl and training_curve.png (default: the config's monitors)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=_run_train)
 
@@ -84,6 +90,8 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.preset is None and args.config is None:
         raise UsageError("train needs --preset NAME or --config FILE (see --list-presets)")
     overrides = {"device": args.device, "epochs": args.epochs, "seed": args.seed}
+    if args.monitor:
+        overrides["monitors"] = {}  # MonitorSettings' defaults
     config = resolve_train_config(preset=args.preset, config_file=args.config, overrides=overrides)
     out = args.out or Path("runs") / config.name
     last = train(config, out, root=args.root, progress=not args.no_progress)
@@ -327,6 +335,55 @@ def _run_bundle(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- diagnose (issue 13: network dynamics) ----------------------------------------------------
+def _add_diagnose(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "diagnose",
+        help="network dynamics of a run: line shape, OT score, layer-wise W-distances (seeds 000-004)",
+    )
+    p.add_argument("--run", type=Path, required=True, help="run directory holding models/<name>/")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="train the preset's networks into RUN first and measure the seeds' claims "
+        "(preset: diagnose)",
+    )
+    p.add_argument("--model", default=None, help="only models/<MODEL> (default: every network)")
+    p.add_argument("--n", type=int, default=1000, help="test images per set (default 1000)")
+    p.add_argument("--attacks", action="store_true", help="also the run's cached adversarial sets")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--root", type=Path, default=None, help="data root")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=_run_diagnose)
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    from training.console import diagnose_lines
+    from training.diagnose import DiagnoseOptions, diagnose_run, run_diagnose_preset
+
+    if args.preset is not None:
+        from training.presets.pipelines import get_diagnose_preset
+
+        if args.model or args.attacks or args.n != 1000:
+            raise UsageError("--preset sets the networks and images; drop --model/--attacks/--n")
+        config = get_diagnose_preset(args.preset)
+        if args.device != "auto":
+            config = config.model_copy(update={"device": args.device})
+        result = run_diagnose_preset(
+            config, args.run, root=args.root, progress=not args.no_progress
+        )
+        return _print_lines(diagnose_lines(result))
+    result = diagnose_run(
+        args.run,
+        model=args.model,
+        options=DiagnoseOptions(n=args.n, attacks=args.attacks),
+        root=args.root,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    return _print_lines(diagnose_lines(result))
+
+
 # ---- demo ------------------------------------------------------------------------------------
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -542,6 +599,7 @@ PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_attack,
     _add_pipeline,
     _add_steps,
+    _add_diagnose,
     _add_demo,
     _add_serve,
     _add_score,

@@ -22,6 +22,18 @@ class LapSettings(BaseModel):
     every: int = Field(1, ge=1)
 
 
+class MonitorSettings(BaseModel):
+    """Per-epoch dynamics monitors (training/monitors.py): probe heads fitted on ``probe_images``
+    training images, W-distances on ``eval_images`` held-out images, the ICS on the first
+    ``ics_images`` of them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    probe_images: int = Field(1000, ge=10)
+    eval_images: int = Field(500, ge=2)
+    ics_images: int = Field(256, ge=2)
+
+
 class TrainConfig(BaseModel):
     """One network's training run. Every field has the seed's meaning (appendix H.1)."""
 
@@ -52,6 +64,8 @@ class TrainConfig(BaseModel):
     seed: int = 0
     device: str = "auto"
     num_workers: int = Field(0, ge=0)
+    # Seed 000's layer-wise W-distances and seed 004's ICS per epoch into metrics.jsonl.
+    monitors: MonitorSettings | None = None
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -73,8 +87,11 @@ class TrainConfig(BaseModel):
         return self
 
     def fingerprint(self) -> str:
-        """Hash of what determines the result (not where it runs), to key checkpoints."""
-        relevant = self.model_dump(exclude={"device", "num_workers", "name", "verify_data"})
+        """Hash of what determines the result (not where it runs, nor what is monitored), to
+        key checkpoints."""
+        relevant = self.model_dump(
+            exclude={"device", "num_workers", "name", "verify_data", "monitors"}
+        )
         return sha256_json(relevant)[:16]
 
 

@@ -121,3 +121,15 @@ def pipeline_summary(name: str, run: Path, seconds: float, results: Mapping[str,
         for model, info in results["models"].items()
     ]
     return [head, *accuracies]
+
+
+def diagnose_lines(result: Mapping[str, Any]) -> list[str]:
+    """`lapguard diagnose`'s table: one row per network and set, then the claims if any."""
+    from training.diagnose import SUMMARY_HEADER, summary_rows
+
+    lines = aligned([SUMMARY_HEADER, *summary_rows(result)])
+    for claim in result.get("claims", []):
+        verdict = "holds" if claim["holds"] else "does not hold"
+        lines.append(f"[{claim['seed']}] {claim['claim']}: {claim['measured']} -> {verdict}")
+    lines.append(f"({result.get('seconds', 0.0):.1f} s; diagnostics.json in the run directory)")
+    return lines

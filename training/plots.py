@@ -19,9 +19,12 @@ from detector.artefacts import atomic_path  # noqa: E402
 def plot_training_curve(
     steps: Sequence[dict[str, Any]], epochs: Sequence[dict[str, Any]], path: str | Path
 ) -> Path:
-    """Loss terms, lambda and accuracies over training (steps logged every few batches)."""
+    """Loss terms, lambda and accuracies over training (steps logged every few batches); with
+    the dynamics monitors (training/monitors.py), their per-epoch curves in a second row."""
     path = Path(path)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    monitored = any(r.get("monitor_w_layers") for r in epochs)
+    fig, grid = plt.subplots(2 if monitored else 1, 3, figsize=(14, 7.6 if monitored else 3.8))
+    axes = np.atleast_2d(grid)[0]
     if steps:
         x = [s["step"] for s in steps]
         axes[0].plot(x, [s["task_loss"] for s in steps], label="task loss")
@@ -42,8 +45,38 @@ def plot_training_curve(
         axes[2].set_xlabel("epoch")
         axes[2].legend()
     axes[2].set_title("accuracy")
+    if monitored:
+        _monitor_panels(np.atleast_2d(grid)[1], epochs)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def _layer_lines(ax: Any, epochs: Sequence[dict[str, Any]], key: str, name: str) -> None:
+    """One line per layer (entry of each row's ``key`` list) over the epochs, light to dark."""
+    rows = [(r["epoch"], r[key]) for r in epochs if r.get(key)]
+    if not rows:
+        ax.text(0.5, 0.5, "from epoch 2", ha="center", va="center", transform=ax.transAxes)
+        return
+    values = np.array([v for _, v in rows], dtype=np.float64)
+    colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, values.shape[1]))
+    for layer in range(values.shape[1]):
+        label = f"{name} {layer}" if layer in (0, values.shape[1] - 1) else None
+        ax.plot(
+            [e for e, _ in rows], values[:, layer], marker="o", color=colors[layer], label=label
+        )
+    ax.set_xlabel("epoch")
+    ax.legend(fontsize="x-small")
+
+
+def _monitor_panels(axes: Any, epochs: Sequence[dict[str, Any]]) -> None:
+    """Seed 000's W-distance per layer, seed 004's ICS per block, and the last epoch's W curve."""
+    _layer_lines(axes[0], epochs, "monitor_w_layers", "layer")
+    axes[0].set_title("W(layer, target) per epoch (seed 000)")
+    _layer_lines(axes[1], epochs, "monitor_ics", "block")
+    axes[1].set_title("ICS: EM distance to the previous epoch (seed 004)")
+    last = [r for r in epochs if r.get("monitor_w_layers")][-1]["monitor_w_layers"]
+    axes[2].plot(np.arange(len(last)), last, marker="o", color="black")
+    axes[2].set(title="W(layer, target), last epoch", xlabel="layer (stem, blocks, head)")
 
 
 # ---- evaluation report figures ----------------------------------------------------------------
@@ -272,5 +305,34 @@ def plot_learning_curves(
         ax.set_ylabel(f"detection {metric} (%)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="lower right", fontsize="small")
+    _finish(fig, title)
+    return _save(fig, path)
+
+
+def plot_block_curves(
+    grid: Mapping[str, Mapping[str, Mapping[str, Sequence[float | None]]]],
+    path: str | Path,
+    *,
+    clean: str = "clean",
+    title: str = "",
+) -> Path:
+    """Per-block curves: one row per key of `grid` (e.g. a network, or "clean"), one column per
+    measure (its key is the y label), one line per `label: values` (None = not defined there,
+    drawn as a gap); the `clean` line in black. x is the block (or layer) index."""
+    path = Path(path)
+    rows = max(1, len(grid))
+    cols = max(1, max((len(measures) for measures in grid.values()), default=1))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows + 0.5), squeeze=False)
+    for r, (row_name, measures) in enumerate(grid.items()):
+        for c, (measure, lines) in enumerate(measures.items()):
+            ax = axes[r][c]
+            for label, values in lines.items():
+                y = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+                style = _CLEAN_STYLE if label == clean else {"linewidth": 1.2}
+                ax.plot(np.arange(len(y)), y, marker="o", markersize=3, label=label, **style)
+            ax.set(title=f"{row_name}: {measure}" if row_name else measure, xlabel="block / layer")
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="x-small", loc="best")
     _finish(fig, title)
     return _save(fig, path)

@@ -804,6 +804,51 @@ def notes_section(
     return ["## Notes", "", *notes, ""]
 
 
+def dynamics_section(run_dir: Path) -> list[str]:
+    """``diagnostics.json`` (``lapguard diagnose``): the per-network table, the claims table of
+    the ``diagnose`` preset when present, and the dynamics figures that exist."""
+    run = RunDir(run_dir)
+    if not run.diagnostics_file.is_file():
+        return []
+    from training.diagnose import (
+        ATTACKS_FIGURE,
+        CLAIMS_HEADER,
+        NETWORKS_FIGURE,
+        SUMMARY_HEADER,
+        claim_rows,
+        summary_rows,
+    )
+
+    diagnostics = _read_json(run.diagnostics_file)
+    note = (
+        "Per network and image set (seeds 000, 001/002; `lapguard diagnose`): the line-shape "
+        "score of each sample's track x_0 -> x_M (1 = a straight line), the optimal transport "
+        "score of each block's map and of the whole stage (1 = the map is the OT map on the "
+        "sample), the W-distance between a layer's predicted label distribution (a linear probe "
+        "head per layer, then the network's head) and the one-hot target, the share of "
+        "'confused' samples (some probe right, the head wrong), and how well the LSS alone "
+        "tells an adversarial set from clean images (AUROC)."
+    )
+    lines = [
+        "## Network dynamics",
+        "",
+        note,
+        "",
+        markdown_table(SUMMARY_HEADER, summary_rows(diagnostics), left=2),
+        "",
+    ]
+    if diagnostics.get("claims"):
+        lines += ["### The seeds' claims, measured here", ""]
+        lines += [markdown_table(CLAIMS_HEADER, claim_rows(diagnostics), left=4), ""]
+    for name, caption in (
+        (NETWORKS_FIGURE, "Per-block dynamics on clean test images, one line per network"),
+        (ATTACKS_FIGURE, "Per-block dynamics, clean vs adversarial sets"),
+    ):
+        if (run.figures / name).is_file():
+            lines += _figure_link(run.path, run.figures / name, caption)
+    return lines
+
+
 # ---- figures ----------------------------------------------------------------------------------
 
 
@@ -913,7 +958,16 @@ def write_report(run_dir: Path) -> Path:
         *deployed_section(run_dir, config, detection),
         *learning_curve_section(run_dir, results),
         *timing_section(results),
+        *dynamics_section(run_dir),
         *(["## Figures", "", *figures] if figures else []),
         *notes_section(run_dir, config, models, scores),
     ]
+    return artefacts.write_text(run.report_file, "\n".join(lines).rstrip() + "\n")
+
+
+def write_dynamics_report(run_dir: Path) -> Path:
+    """RUN/report.md of a run with diagnostics but no detection results (the ``diagnose``
+    preset): the network-dynamics section alone."""
+    run = RunDir(run_dir)
+    lines = [f"# lapguard network dynamics: {run.path.name}", "", *dynamics_section(run.path)]
     return artefacts.write_text(run.report_file, "\n".join(lines).rstrip() + "\n")

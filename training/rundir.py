@@ -11,6 +11,7 @@ Run directory (``lapguard pipeline --run RUN``)::
     evaluation.json                         protocol results
     detector/                               the deployable detector and its calibration
     results.json, report.md, figures/
+    diagnostics.json                        network dynamics (`lapguard diagnose`)
     bundle/                                 what `lapguard serve` loads
 
 Model directory (``lapguard train --out DIR``, loadable by ``detector.networks.load``)::
@@ -38,6 +39,7 @@ from detector.networks import WEIGHTS_FILE
 CONFIG_FILE = "pipeline_config.json"
 EVALUATION_FILE = "evaluation.json"
 RESULTS_FILE = "results.json"
+DIAGNOSTICS_FILE = "diagnostics.json"
 REPORT_FILE = "report.md"
 MODELS_DIR = "models"
 ATTACKS_DIR = "attacks"
@@ -136,6 +138,10 @@ class RunDir:
     @property
     def report_file(self) -> Path:
         return self.path / REPORT_FILE
+
+    @property
+    def diagnostics_file(self) -> Path:
+        return self.path / DIAGNOSTICS_FILE
 
     # ---- folders -----------------------------------------------------------------------------
     @property

@@ -399,6 +399,26 @@ def _save_epoch(
     plot_training_curve(steps, epochs_done, files.training_curve)
 
 
+def _monitor(
+    config: TrainConfig,
+    loaders: tuple[DataLoader, DataLoader, DataLoader],
+    model: nn.Module,
+    device: torch.device,
+) -> Any:
+    """The config's dynamics monitor, started on ``model`` (None without monitors)."""
+    if config.monitors is None:
+        return None
+    from training.monitors import DynamicsMonitor
+
+    train_loader, val_loader, test_loader = loaders
+    held_out = val_loader.dataset if len(val_loader.dataset) else test_loader.dataset  # type: ignore[arg-type]
+    monitor = DynamicsMonitor(
+        config.monitors, train_loader.dataset, held_out, device, seed=config.seed
+    )
+    monitor.start(model)
+    return monitor
+
+
 def train(
     config: TrainConfig, out: str | Path, *, root: str | Path | None = None, progress: bool = True
 ) -> dict[str, Any]:
@@ -431,6 +451,7 @@ def train(
 
     last: dict[str, Any] = epochs_done[-1] if epochs_done else {}
     loaders = (train_loader, val_loader, test_loader)
+    monitor = _monitor(config, loaders, model, device) if rank == 0 else None
     for epoch in range(start_epoch, config.epochs):
         last, step_log = _run_epoch(
             config,
@@ -446,6 +467,8 @@ def train(
         offset = epoch * len(train_loader)
         steps = [s for s in steps if s["step"] < offset]
         steps.extend({**s, "step": s["step"] + offset} for s in step_log)
+        if monitor is not None:
+            last.update(monitor.record(model))
         epochs_done.append(last)
         if rank != 0:
             continue

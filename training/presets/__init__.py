@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from detector.errors import ConfigError
-from training.config import LapSettings, TrainConfig
+from training.config import LapSettings, MonitorSettings, TrainConfig
 
 OBJECTIVE_SUFFIXES = {"vanilla": "vanilla", "lap": "lap", "rce": "rce"}
 
@@ -44,6 +44,17 @@ _QUICK = {
     "weight_decay": 1e-4,
     "grad_clip": 5.0,
 }
+# The `diagnose` preset's networks (issue 13): quick's schedule on 5,000 training images, with
+# the dynamics monitors on; residual vs plain (skip=False), BatchNorm vs unitization, vanilla vs LAP.
+# 5,000 images: on 2 cores shared with other jobs one epoch of 20,000 took 519 s (3 epochs x 4
+# networks would be ~1.7 h); 5,000 keeps the preset within 45 minutes there.
+_DIAGNOSE = {**_QUICK, "train_subset": 5000, "monitors": MonitorSettings()}
+_DIAGNOSE_VARIANTS = {
+    "diagnose-resnet-vanilla": {},
+    "diagnose-resnet-lap": {"objective": "lap"},
+    "diagnose-plain-vanilla": {"arguments": {"skip": False}},
+    "diagnose-unit-vanilla": {"arguments": {"norm": "unit"}},
+}
 _PAPER_SCHEDULE = {
     "epochs": 300,
     "lr": 0.1,
@@ -57,6 +68,10 @@ _PAPER_LAP = LapSettings(lambda0=1.0, tau=1.0, every=1)
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     **_variants("smoke", _SMOKE),
     **_variants("quick", _QUICK),
+    **{
+        name: TrainConfig(**{**_DIAGNOSE, "name": name, **fields})
+        for name, fields in _DIAGNOSE_VARIANTS.items()
+    },
     **_variants(
         "paper-cifar10-resnet110",
         {

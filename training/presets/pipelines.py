@@ -333,6 +333,48 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
 }
 
 
+class DiagnoseConfig(BaseModel):
+    """``lapguard diagnose --preset NAME --run DIR``: train the networks the seeds' comparisons
+    need, diagnose them (training/diagnose.py) and measure each claim (training/claims.py).
+
+    ``models`` maps a role to a training preset; the claims read the roles ``resnet`` (residual,
+    BatchNorm, vanilla), ``lap`` (the same with LAP), ``plain`` (no skips) and ``unit``
+    (unitization instead of BatchNorm), and skip a claim whose roles are missing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    models: dict[str, str]
+    n: int = Field(1000, ge=2)
+    probe_n: int = Field(2000, ge=10)
+    ots_n: int = Field(500, ge=2)
+    expected_duration: str | None = None
+    device: str = "auto"
+
+
+DIAGNOSE_PRESETS: dict[str, DiagnoseConfig] = {
+    "diagnose": DiagnoseConfig(
+        name="diagnose",
+        models={
+            "resnet": "diagnose-resnet-vanilla",
+            "lap": "diagnose-resnet-lap",
+            "plain": "diagnose-plain-vanilla",
+            "unit": "diagnose-unit-vanilla",
+        },
+        expected_duration="<= 45 min on 2 busy CPU cores (4 networks x 3 epochs on 5,000 images)",
+    ),
+}
+
+
+def get_diagnose_preset(name: str) -> DiagnoseConfig:
+    """A copy of the named diagnose preset; an unknown name lists the known ones."""
+    if name not in DIAGNOSE_PRESETS:
+        raise ConfigError(
+            f"unknown diagnose preset {name!r}; known: {', '.join(sorted(DIAGNOSE_PRESETS))}"
+        )
+    return DIAGNOSE_PRESETS[name].model_copy(deep=True)
+
+
 def list_pipeline_presets() -> list[str]:
     return sorted(PIPELINE_PRESETS)
 
