@@ -188,8 +188,15 @@ def test_guard_predict_is_the_network_and_the_detector(bundle_dir: Path, run: di
     np.testing.assert_allclose(in_memory.predict(x).scores, result.scores, atol=1e-6)
 
 
-def test_quantile_bundle_round_trip(tmp_path: Path, run: dict) -> None:
-    clean, _ = extract_features(run["model"], _images(80, 6, False))
+ALL_GROUPS = FeatureSpec(
+    embeddings=True, start=True, head=True, extra_directions=1, line_shape=True
+)
+
+
+@pytest.mark.parametrize("spec", [FeatureSpec(), ALL_GROUPS], ids=["residues", "all-groups"])
+def test_quantile_bundle_round_trip(tmp_path: Path, run: dict, spec: FeatureSpec) -> None:
+    """The bundle records its feature spec, and its Guard scores exactly as the detector."""
+    clean, _ = extract_features(run["model"], _images(80, 6, False), spec=spec)
     detector = QuantileDetector(fpr=0.1).fit(clean)
     out = write_bundle(
         tmp_path / "q",
@@ -198,33 +205,15 @@ def test_quantile_bundle_round_trip(tmp_path: Path, run: dict) -> None:
         calibration=Calibration.from_scores(detector.score(clean), 0.1),
         name="q",
         dataset="d",
-    )
-    guard = Guard.from_bundle(out, device="cpu")
-    x = _images(10, 7, True)
-    features, _ = extract_features(run["model"], x)
-    np.testing.assert_allclose(guard.predict(x).scores, detector.score(features), atol=1e-5)
-
-
-def test_bundle_with_every_feature_group_scores_as_its_detector(tmp_path: Path, run: dict) -> None:
-    spec = FeatureSpec(embeddings=True, start=True, head=True, extra_directions=1, line_shape=True)
-    clean, _ = extract_features(run["model"], _images(80, 6, False), spec=spec)
-    detector = QuantileDetector(fpr=0.1).fit(clean)
-    out = write_bundle(
-        tmp_path / "all",
-        network_dir=run["network_dir"],
-        detector=detector,
-        calibration=Calibration.from_scores(detector.score(clean), 0.1),
-        name="all",
-        dataset="d",
         features=spec,
     )
     manifest = load_bundle(out).manifest
     assert manifest.detector.feature_spec == spec
-    assert "start_energy_q05" in manifest.detector.feature_names
+    assert manifest.detector.feature_names == spec.names(len(run["model"].blocks))
     x = _images(10, 7, True)
     features, _ = extract_features(run["model"], x, spec=spec)
-    scores = Guard.from_bundle(out, device="cpu").predict(x).scores
-    np.testing.assert_allclose(scores, detector.score(features), atol=1e-5)
+    guard = Guard.from_bundle(out, device="cpu")
+    np.testing.assert_allclose(guard.predict(x).scores, detector.score(features), atol=1e-5)
 
 
 @pytest.fixture
