@@ -16,7 +16,7 @@ optimal transport between two equal-size uniform samples is an assignment proble
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -287,6 +287,14 @@ def block_tensors(
     with torch.no_grad(), Taps(model, taps, transform=torch.Tensor.detach) as tapped:
         logits = model(x)
         return list(tapped.outputs), logits.detach()
+
+
+def batched_block_tensors(
+    model: nn.Module, x: np.ndarray, *, device: torch.device | str, batch_size: int
+) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+    """:func:`block_tensors` of ``x`` (a numpy [N, ...] array) batch by batch, in order."""
+    for start in range(0, len(x), batch_size):
+        yield block_tensors(model, torch.from_numpy(x[start : start + batch_size]).to(device))
 
 
 def _block_tensors(

@@ -83,9 +83,9 @@ def run_set(
     probs: list[list[np.ndarray]] = [[] for _ in probes]
     head: list[np.ndarray] = []
     with torch.no_grad():
-        for start in range(0, len(x), batch_size):
-            batch = torch.from_numpy(x[start : start + batch_size]).to(device)
-            tensors, logits = dynamics.block_tensors(model, batch)
+        for tensors, logits in dynamics.batched_block_tensors(
+            model, x, device=device, batch_size=batch_size
+        ):
             for i, state in enumerate(tensors):
                 if len(states) <= i:
                     states.append([])

@@ -21,9 +21,7 @@ def _pooled_states(
 ) -> list[torch.Tensor]:
     """Every layer's (stem's and blocks') pooled, flattened output on ``x``: one [N, f] each."""
     pooled: list[list[torch.Tensor]] = []
-    for start in range(0, len(x), batch_size):
-        batch = torch.from_numpy(x[start : start + batch_size]).to(device)
-        states, _ = dynamics.block_tensors(model, batch)
+    for states, _ in dynamics.batched_block_tensors(model, x, device=device, batch_size=batch_size):
         for i, state in enumerate(states):
             if len(pooled) <= i:
                 pooled.append([])
