@@ -17,7 +17,7 @@ from fastapi import FastAPI
 import detector
 from service.errors import install_error_handlers
 from service.middleware import BodyLimitMiddleware, RequestContextMiddleware
-from service.routes import health, predict, v2
+from service.routes import admin, health, predict, v2
 from service.runtime import Runtime
 from service.settings import Settings, load_settings
 
@@ -53,4 +53,5 @@ def create_app(settings: Settings | None = None, guard: Guard | None = None) -> 
     app.include_router(health.router)
     app.include_router(predict.router)
     app.include_router(v2.router)
+    app.include_router(admin.router)
     return app

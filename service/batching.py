@@ -6,7 +6,8 @@ small request costs no extra thread hop).
 A single asyncio task gathers queued requests until ``max_batch_size`` images are waiting or the
 oldest has waited ``max_wait``, runs the Guard on the concatenation in a dedicated worker thread
 (one forward pass), and scatters the rows back to the waiting requests; a request whose images
-cannot be prepared fails alone. While the worker thread computes, the event loop keeps serving
+cannot be prepared fails alone. The scoring function is asked for once per batch (``predictor()``),
+so a batch never mixes two Guards when the served bundle is swapped (hot reload). While the worker thread computes, the event loop keeps serving
 health checks, metrics and new arrivals (which form the next batch). The queue is bounded in
 images: a request that does not fit is refused at once (:class:`OverloadedError`, HTTP 429).
 """
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lapguard.service")
 
 Predict = Callable[[torch.Tensor], "GuardResult"]
+#: Called once per batch in the worker thread: the function that scores that batch's chunks.
+Predictor = Callable[[], Predict]
 Images = torch.Tensor | Callable[[], torch.Tensor]
 
 
@@ -51,14 +54,14 @@ class MicroBatcher:
 
     def __init__(
         self,
-        predict: Predict,
+        predictor: Predictor,
         *,
         max_batch_size: int,
         max_wait_s: float,
         max_queue: int,
         metrics: Metrics | None = None,
     ) -> None:
-        self._predict = predict
+        self._predictor = predictor
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
@@ -227,8 +230,10 @@ class MicroBatcher:
         self, parts: Sequence[Images]
     ) -> tuple[GuardResult | None, list[Exception | None], float]:
         """Worker thread: make each request's tensor (a failure fails that request only), then
-        one Guard call per ``max_batch_size`` images (one for a gathered batch)."""
+        one Guard call per ``max_batch_size`` images (one for a gathered batch), all by the
+        Guard that ``predictor()`` gives at the start."""
         started = time.perf_counter()
+        predict = self._predictor()
         tensors: list[torch.Tensor] = []
         failures: list[Exception | None] = []
         for images in parts:
@@ -242,8 +247,7 @@ class MicroBatcher:
         batch = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         n = int(batch.shape[0])
         chunks = [
-            self._predict(batch[i : i + self.max_batch_size])
-            for i in range(0, n, self.max_batch_size)
+            predict(batch[i : i + self.max_batch_size]) for i in range(0, n, self.max_batch_size)
         ]
         result = chunks[0] if len(chunks) == 1 else concat_results(chunks)
         return result, failures, time.perf_counter() - started

@@ -1,4 +1,4 @@
-"""Route dependencies: the app's runtime, and the API key check for inference routes."""
+"""Route dependencies: the app's runtime, and the key checks of inference and admin routes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
+from pydantic import SecretStr
 
-from service.errors import UnauthorizedError
+from service.errors import ForbiddenError, UnauthorizedError
 from service.query_memory import client_key
 from service.runtime import Runtime
 
@@ -40,12 +41,29 @@ def client_of(request: Request, runtime: Runtime) -> str:
 def require_api_key(request: Request, runtime: RuntimeDep) -> None:
     """When ``LAPGUARD_API_KEY`` is set, inference needs ``X-API-Key: KEY`` or ``Authorization: Bearer KEY``."""
     expected = runtime.settings.api_key
+    if expected is not None:
+        _check_key(request, expected, "API key")
+
+
+def require_admin_key(request: Request, runtime: RuntimeDep) -> None:
+    """Admin routes need ``LAPGUARD_ADMIN_KEY`` (or, when unset, ``LAPGUARD_API_KEY``), sent like
+    the API key; with neither configured they are refused (403)."""
+    settings = runtime.settings
+    expected = settings.admin_key or settings.api_key
     if expected is None:
-        return
+        raise ForbiddenError(
+            "admin calls are off: set LAPGUARD_ADMIN_KEY (or LAPGUARD_API_KEY) and send it, "
+            "or send the server SIGHUP to reload its bundle"
+        )
+    _check_key(request, expected, "admin key" if settings.admin_key else "API key")
+
+
+def _check_key(request: Request, expected: SecretStr, name: str) -> None:
+    """The request presents ``expected`` (the ``name`` in the refusal), else 401."""
     given = _presented_key(request)
     if not given:
         raise UnauthorizedError(
-            "an API key is required: send X-API-Key: KEY or Authorization: Bearer KEY"
+            f"the {name} is required: send X-API-Key: KEY or Authorization: Bearer KEY"
         )
     if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
-        raise UnauthorizedError("the API key is not valid")
+        raise UnauthorizedError(f"the {name} is not valid")

@@ -40,6 +40,14 @@ class UnauthorizedError(ServiceError):
     """Missing or wrong API key."""
 
 
+class ForbiddenError(ServiceError):
+    """The call is not allowed on this server as configured (e.g. admin calls without a key)."""
+
+
+class ReloadRefusedError(ServiceError):
+    """A bundle to hot-reload failed verification or warm-up; the previous one keeps serving."""
+
+
 class ModelNotFoundError(ServiceError):
     """A v2 route named a model this server does not serve."""
 
@@ -71,6 +79,8 @@ class QueryAttackThrottledError(RetryableError):
 # Most specific first: the first matching class decides status and code.
 _STATUS: list[tuple[type[BaseException], int, str]] = [
     (UnauthorizedError, 401, "unauthorized"),
+    (ForbiddenError, 403, "forbidden"),
+    (ReloadRefusedError, 422, "bundle_refused"),
     (ModelNotFoundError, 404, "model_not_found"),
     (InputTooLargeError, 413, "payload_too_large"),
     (UnsupportedMediaError, 415, "unsupported_media_type"),

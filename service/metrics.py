@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -86,6 +86,23 @@ class Metrics:
             registry=r,
         )
         self.ready = Gauge("lapguard_ready", "1 when the model is loaded and warmed up", registry=r)
+        self.bundle = Info(
+            "lapguard_bundle",
+            "the bundle that answers: name, version, sha256 of its manifest.json",
+            registry=r,
+        )
+        self.reloads = Counter(
+            "lapguard_bundle_reloads",
+            "bundle hot reloads by outcome: swapped, or refused (the previous bundle kept serving)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("swapped", "refused"):
+            self.reloads.labels(outcome)
+
+    def serve_bundle(self, name: str, version: str, sha256: str | None) -> None:
+        """Record which bundle answers (``lapguard_bundle_info``)."""
+        self.bundle.info({"name": name, "version": version, "sha256": sha256 or "unknown"})
 
     def _histogram(
         self,

@@ -13,20 +13,22 @@ import logging
 import time
 from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 import numpy as np
 import torch
 
-from detector.errors import ConfigError, InputError
+from detector.errors import ConfigError, InputError, LapguardError
 from detector.guard import GuardResult
 from detector.images import decode_image, image_pixels
-from service.batching import MicroBatcher
+from service.batching import MicroBatcher, Predict
 from service.errors import (
     NotReadyError,
     QueryAttackBlockedError,
     QueryAttackThrottledError,
+    ReloadRefusedError,
     ServiceError,
 )
 from service.metrics import Metrics
@@ -38,6 +40,7 @@ from service.query_memory import (
     QueryStoreError,
     RedisStore,
 )
+from service.reload import ServedBundle, check_compatible, load_served
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -53,9 +56,11 @@ INLINE_PIXELS = 256 * 256
 @dataclasses.dataclass
 class ServedResult(GuardResult):
     """The Guard's result plus each image's query embedding (float16 ``[N, dim]``), computed in
-    the batch worker from the same prepared batch (no second forward pass)."""
+    the batch worker from the same prepared batch (no second forward pass), and the bundle that
+    answered (its Guard computed the whole batch, even when a reload swapped it meanwhile)."""
 
     embeddings: np.ndarray | None = None
+    served: ServedBundle | None = None
 
 
 class Runtime:
@@ -63,7 +68,7 @@ class Runtime:
 
     def __init__(self, settings: Settings, guard: Guard | None = None) -> None:
         self.settings = settings
-        self.guard = guard
+        self.served = ServedBundle(guard, settings.bundle) if guard is not None else None
         self.metrics = Metrics()
         self.batcher: MicroBatcher | None = None
         self.ready = False
@@ -72,23 +77,30 @@ class Runtime:
         self._warmup_task: asyncio.Task[None] | None = None
         self.query_memory: QueryMemory | None = None
         self._embedder: QueryEmbedder | None = None
+        self._reload_lock = asyncio.Lock()
+
+    @property
+    def guard(self) -> Guard | None:
+        """The Guard that answers now (a reload replaces :attr:`served`, never mutates it)."""
+        return self.served.guard if self.served is not None else None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         """Load the bundle (a bad one raises and stops start-up), start batching, warm up in the
         background; ``/readyz`` answers 200 once warm-up is done."""
+        served = self.served
         try:
-            guard = (
-                self.guard if self.guard is not None else await anyio.to_thread.run_sync(self._load)
-            )
+            if served is None:
+                served = await anyio.to_thread.run_sync(self._load)
         except BaseException as error:
             self.startup_error = error
             raise
-        self.guard = guard
+        self.served, guard = served, served.guard
+        self.metrics.serve_bundle(served.name, served.version, served.sha256)
         s = self.settings
         self._start_query_memory(guard)
         self.batcher = MicroBatcher(
-            self._predict,
+            self._predictor,
             max_batch_size=s.max_batch_size,
             max_wait_s=s.max_wait_ms / 1000.0,
             max_queue=s.max_queue,
@@ -121,12 +133,10 @@ class Runtime:
             self.query_memory.store.close()
         logger.info("stopped")
 
-    def _load(self) -> Guard:
-        from detector.guard import Guard
-
+    def _load(self) -> ServedBundle:
         if self.settings.bundle is None:
             raise ConfigError("no bundle to serve: pass --bundle DIR or set LAPGUARD_BUNDLE")
-        return Guard.from_bundle(self.settings.bundle, device=self.settings.device)
+        return load_served(self.settings.bundle, device=self.settings.device, warmup_sizes=())
 
     async def _warm_up(self) -> None:
         guard = self.require_guard()
@@ -171,13 +181,20 @@ class Runtime:
             store, distance=s.query_distance, neighbours=s.query_neighbours
         )
 
-    def _predict(self, batch: torch.Tensor) -> GuardResult:
+    def _predictor(self) -> Predict:
+        """Batch worker, once per batch: the scoring function of the bundle served now, so that
+        a batch is computed by one Guard even when a reload swaps it meanwhile."""
+        served = self.served
+        if served is None:
+            raise NotReadyError("the model is not loaded yet; retry shortly", retry_after=2)
+        return partial(self._predict, served)
+
+    def _predict(self, served: ServedBundle, batch: torch.Tensor) -> ServedResult:
         """Batch worker: the Guard's one forward pass, plus the query embeddings when enabled."""
-        result = self.require_guard().predict(batch)
-        if self._embedder is None:
-            return result
+        result = served.guard.predict(batch)
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-        return ServedResult(**fields, embeddings=self._embedder(batch))
+        embeddings = self._embedder(batch) if self._embedder is not None else None
+        return ServedResult(**fields, embeddings=embeddings, served=served)
 
     async def _in_store(self, call: Any, *args: Any) -> Any:
         """Run a store call: inline when it is in process, in a worker thread when it does I/O."""
@@ -241,6 +258,70 @@ class Runtime:
         self.metrics.query_store_errors.inc()
         logger.warning("query memory unavailable, request served unchecked: %s", error)
 
+    # ---- hot reload ----------------------------------------------------------------------------
+    async def reload(self, bundle: Path | None = None) -> tuple[ServedBundle, ServedBundle]:
+        """Load ``bundle`` (default: the served directory again), verify every checksum, run it
+        forward, then swap it in (one reference); returns (previous, new). The batch being
+        computed finishes on the previous Guard; later batches run on the new one. A bundle that
+        fails any check raises :class:`ReloadRefusedError` and the previous one keeps serving."""
+        async with self._reload_lock:
+            if self.draining:
+                raise NotReadyError("the server is shutting down; not reloading", retry_after=1)
+            old = self.served
+            if old is None:
+                raise NotReadyError("the model is not loaded yet; retry shortly", retry_after=2)
+            path = bundle if bundle is not None else old.path
+            started = time.perf_counter()
+            try:
+                if path is None:
+                    raise ConfigError("no bundle directory to reload from: name one")
+                new = await anyio.to_thread.run_sync(self._load_for_reload, path)
+                check_compatible(old.guard, new.guard)
+            except Exception as error:
+                self._reload_refused(old, path, error)
+                raise ReloadRefusedError(
+                    f"bundle {path} refused, still serving {old.name} version {old.version}: {error}"
+                ) from error
+            self.served = new
+            self._reloaded(old, new, time.perf_counter() - started)
+            return old, new
+
+    async def reload_quietly(self) -> None:
+        """:meth:`reload` of the served directory for SIGHUP: the outcome is logged, not raised."""
+        try:
+            await self.reload()
+        except ReloadRefusedError:
+            pass  # reload() logged why
+        except LapguardError as error:  # not loaded yet, or shutting down
+            logger.warning("no reload: %s", error)
+
+    def _load_for_reload(self, path: Path) -> ServedBundle:
+        sizes = sorted({1, self.settings.max_batch_size}) if self.settings.warmup else [1]
+        return load_served(path, device=self.settings.device, warmup_sizes=sizes)
+
+    def _reloaded(self, old: ServedBundle, new: ServedBundle, seconds: float) -> None:
+        self.metrics.serve_bundle(new.name, new.version, new.sha256)
+        self.metrics.reloads.labels("swapped").inc()
+        logger.info(
+            "bundle reloaded",
+            extra={
+                "model": new.name,
+                "version": new.version,
+                "sha256": new.sha256,
+                "bundle": str(new.path),
+                "previous_version": old.version,
+                "seconds": round(seconds, 3),
+            },
+        )
+
+    def _reload_refused(self, old: ServedBundle, path: Path | None, error: Exception) -> None:
+        self.metrics.reloads.labels("refused").inc()
+        logger.error(
+            "bundle reload refused, the previous bundle keeps serving: %s",
+            error,
+            extra={"bundle": str(path), "model": old.name, "version": old.version},
+        )
+
     # ---- what is served ------------------------------------------------------------------------
     @property
     def manifest(self) -> Any:
@@ -255,6 +336,13 @@ class Runtime:
     @property
     def model_version(self) -> str:
         return str(getattr(self.manifest, "version", None) or "1")
+
+    def answered_by(self, result: GuardResult) -> tuple[str, str]:
+        """(model name, version) of the bundle that computed ``result`` (the served one if unknown)."""
+        served = getattr(result, "served", None) or self.served
+        if served is None:
+            return self.model_name, self.model_version
+        return self.settings.model_name or served.name, served.version
 
     @property
     def input_spec(self) -> InputSpec:

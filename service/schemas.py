@@ -90,6 +90,10 @@ class ModelSummary(BaseModel):
 
     name: str
     version: str
+    sha256: str | None = Field(
+        default=None,
+        description="sha256 of the bundle's manifest.json, which lists the sha256 of every file",
+    )
     created: str | None = None
     dataset: str | None = None
     class_names: list[str]
@@ -102,6 +106,43 @@ class ModelSummary(BaseModel):
     device: str
     max_batch_size: int
     ready: bool
+
+
+# ---- admin ----------------------------------------------------------------------------------
+class ReloadRequest(BaseModel):
+    """Body of ``POST /v1/admin/reload`` (optional): which bundle to serve next."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bundle: str | None = Field(
+        default=None,
+        description="bundle directory on the server; default: the served directory, read again",
+    )
+
+
+class BundleRef(BaseModel):
+    name: str
+    version: str
+    sha256: str | None = Field(default=None, description="sha256 of the bundle's manifest.json")
+    path: str | None = Field(default=None, description="the bundle directory on the server")
+
+
+class ReloadResponse(BaseModel):
+    previous: BundleRef
+    current: BundleRef = Field(description="the bundle that answers from now on")
+    seconds: float = Field(description="time to verify, load and warm up the new bundle")
+
+
+#: OpenAPI ``responses=`` of the admin routes.
+ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in {
+        401: "missing or wrong admin key (LAPGUARD_ADMIN_KEY, else LAPGUARD_API_KEY)",
+        403: "admin calls are off: no admin or API key is configured",
+        422: "the bundle is refused (missing, tampered, another input spec, fails a forward pass); the previous bundle keeps serving",
+        503: "not loaded yet or shutting down",
+    }.items()
+}
 
 
 class Health(BaseModel):

@@ -1,9 +1,14 @@
-"""Running the app under uvicorn (what ``lapguard serve`` calls)."""
+"""Running the app under uvicorn (what ``lapguard serve`` calls); SIGHUP reloads the bundle."""
 
 from __future__ import annotations
 
+import asyncio
 import logging.config
 import math
+import signal
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
 from types import FrameType
 
 import uvicorn
@@ -20,15 +25,48 @@ logger = logging.getLogger("lapguard.service")
 
 class Server(uvicorn.Server):
     """uvicorn's server, which also marks the app as draining (``/readyz`` 503) on SIGTERM/SIGINT,
-    before uvicorn stops accepting and waits for in-flight requests."""
+    before uvicorn stops accepting and waits for in-flight requests, and reloads the bundle on
+    SIGHUP (from its directory, read again: see :meth:`Runtime.reload`; the outcome is logged)."""
 
     def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
         super().__init__(config)
         self.runtime = runtime
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reloads: set[asyncio.Task[None]] = set()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.runtime.draining = True
         super().handle_exit(sig, frame)
+
+    @contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """uvicorn's SIGINT/SIGTERM handling, plus SIGHUP (main thread only, as for any handler)."""
+        if threading.current_thread() is not threading.main_thread() or not hasattr(
+            signal, "SIGHUP"
+        ):
+            with super().capture_signals():
+                yield
+            return
+        self._loop = asyncio.get_running_loop()
+        previous = signal.signal(signal.SIGHUP, self.handle_reload)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(signal.SIGHUP, previous)
+
+    def handle_reload(self, sig: int, frame: FrameType | None) -> None:
+        """SIGHUP: start a reload on the event loop (the handler itself must not block)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_reload)
+
+    def _start_reload(self) -> None:
+        logger.info("SIGHUP: reloading the bundle")
+        task = asyncio.get_running_loop().create_task(
+            self.runtime.reload_quietly(), name="lapguard-reload"
+        )
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
 
 
 def build_server(settings: Settings, app: FastAPI | None = None) -> Server:

@@ -64,6 +64,13 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         default=None, description="required on inference routes when set"
     )
+    admin_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "required on admin routes (POST /v1/admin/reload) when set; unset, they take the "
+            "api_key, and with neither they are refused (SIGHUP still reloads)"
+        ),
+    )
     log_level: LogLevel = "info"
     graceful_timeout_s: float = Field(
         default=20.0, ge=0, description="time to finish in-flight requests on stop"
@@ -118,7 +125,7 @@ class Settings(BaseSettings):
         default=60.0, gt=0, description="how long a client flagged for a query attack is refused"
     )
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "admin_key", mode="before")
     @classmethod
     def _empty_key_is_none(cls, value: Any) -> Any:
         """An empty LAPGUARD_API_KEY (e.g. compose's ``${LAPGUARD_API_KEY:-}``) means no key."""

@@ -4,7 +4,10 @@ reference answers of the in-process Guard, and readers of the two error shapes."
 from __future__ import annotations
 
 import io
+import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -16,6 +19,7 @@ from detector.images import decode_image
 from detector.networks import InputSpec, NetworkConfig, build_network, save
 
 API_KEY = "test-key-123"
+ADMIN_KEY = "admin-key-456"
 CLASSES = [f"class_{i}" for i in range(10)]
 LIMITS = {"max_body_bytes": 200_000, "max_images_per_request": 8, "max_pixels": 512 * 512}
 PREDICTION_KEYS = {
@@ -127,6 +131,24 @@ def build_service_bundle(tmp: Path) -> Path:
         dataset="synthetic",
         metrics={"test_accuracy": 0.1},
     )
+
+
+def rewrite_bundle(source: Path, target: Path, **fields: Any) -> Path:
+    """A copy of bundle ``source`` at ``target`` with top-level manifest ``fields`` replaced (e.g.
+    another version and threshold); still valid: the manifest lists the other files' checksums."""
+    shutil.copytree(source, target)
+    manifest = target / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data.update(fields)
+    manifest.write_text(json.dumps(data, indent=2))
+    return target
+
+
+def flip_last_byte(path: Path) -> None:
+    """Tamper with a file: its sha256 no longer matches the manifest's."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 # ---- reference answers --------------------------------------------------------------------------

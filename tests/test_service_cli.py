@@ -12,13 +12,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _serve(bundle: Path, *extra: str) -> subprocess.Popen:
+def _serve(bundle: Path, *extra: str, log: IO[str] | None = None) -> subprocess.Popen:
+    """``lapguard serve`` in a child process. Its log goes to a pipe, or to ``log`` (a file) for a
+    server under load: a pipe nobody reads fills up and blocks the server's next log line."""
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("LAPGUARD_") or k == "LAPGUARD_DATA"
     }
@@ -37,7 +40,7 @@ def _serve(bundle: Path, *extra: str) -> subprocess.Popen:
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log if log is not None else subprocess.PIPE,
         text=True,
     )
 

@@ -1,1 +1,2 @@
-"""HTTP routes, one module per resource: health (operations), predict (v1), v2 (Open Inference Protocol)."""
+"""HTTP routes, one module per resource: health (operations), predict (v1), v2 (Open Inference Protocol),
+admin (hot reload)."""

@@ -35,6 +35,7 @@ async def readyz(runtime: RuntimeDep) -> Health:
 async def model_summary(runtime: RuntimeDep) -> ModelSummary:
     guard = runtime.require_guard()
     manifest = runtime.manifest
+    served = runtime.served
 
     def part(name: str) -> dict | None:
         value = getattr(manifest, name, None)
@@ -46,6 +47,7 @@ async def model_summary(runtime: RuntimeDep) -> ModelSummary:
     return ModelSummary(
         name=runtime.model_name,
         version=runtime.model_version,
+        sha256=served.sha256 if served is not None else None,
         created=str(created) if created is not None else None,
         dataset=getattr(manifest, "dataset", None),
         class_names=runtime.class_names,

@@ -63,15 +63,15 @@ async def predict(request: Request, runtime: RuntimeDep) -> PredictResponse:
         )
     result = await runtime.score_encoded(blobs, names)
     query_attack = await runtime.screen_queries(client, result)
-    class_names = runtime.class_names
+    name, version = runtime.answered_by(result)  # the bundle that computed it, across a reload
     return PredictResponse(
-        model=ModelRef(name=runtime.model_name, version=runtime.model_version),
+        model=ModelRef(name=name, version=version),
         results=[
             Prediction(
                 index=i,
                 filename=filenames[i],
                 label=int(result.labels[i]),
-                class_name=class_names[int(result.labels[i])],
+                class_name=result.class_names[i],
                 confidence=float(result.confidences[i]),
                 flagged=bool(result.flagged[i]),
                 score=float(result.scores[i]),

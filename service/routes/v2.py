@@ -196,9 +196,10 @@ async def infer(
         OutputTensor("query_attack", "BOOL", query_attack),
     ]
     outputs, binary = encode_outputs(payload, available)
+    model_name, model_version = runtime.answered_by(result)
     header: dict[str, Any] = InferenceResponse(
-        model_name=runtime.model_name,
-        model_version=runtime.model_version,
+        model_name=model_name,
+        model_version=model_version,
         id=payload.id,
         parameters={"threshold": float(result.threshold)},
         outputs=outputs,
