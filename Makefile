@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Tools the tests run that pip cannot install: Debian's docker-compose (validates the compose file
-# without an engine) and redis-server (the query-memory tests start their own on a loopback port).
+# without an engine), redis-server (the query-memory tests start their own on a loopback port) and
+# headless chromium + chromedriver (the page's browser test, driven by Selenium).
 # apt-get runs only when the command is absent; `apt-get update` if lists lack.
 system-tools:
 	@command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || { \
@@ -29,6 +30,10 @@ system-tools:
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y -qq redis-server >/dev/null \
 	  || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }; }
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq chromium chromium-driver >/dev/null \
+	  || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }; }
 
 # Lay out the embedded Fashion-MNIST where torchvision expects it (installs Debian's package when it can).
 data: setup

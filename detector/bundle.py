@@ -28,6 +28,7 @@ from detector.artefacts import sha256_file, write_text
 from detector.base import Detector
 from detector.calibration import Calibration
 from detector.errors import ArtefactError, ConfigError
+from detector.explain import EXPLAIN_FILE, CleanBand, Gallery, GalleryItem
 from detector.features import FeatureSpec
 from detector.networks import (
     WEIGHTS_FILE,
@@ -83,6 +84,16 @@ class DetectorSpec(BaseModel):
         return kind
 
 
+class ExplainSpec(BaseModel):
+    """What ``explain.safetensors`` holds: the clean band's quantile levels (None: no band) and
+    the gallery's samples, in the order of its images."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    band_quantiles: list[float] | None = None
+    gallery: list[GalleryItem] = Field(default_factory=list)
+
+
 class BundleManifest(BaseModel):
     """manifest.json of a bundle."""
 
@@ -101,6 +112,7 @@ class BundleManifest(BaseModel):
     target_fpr: float
     default_vote_threshold: float = 0.5
     metrics: dict[str, float] = Field(default_factory=dict)
+    explain: ExplainSpec | None = None
     files: dict[str, str]
 
     @field_validator("format_version")
@@ -130,6 +142,8 @@ class BundleManifest(BaseModel):
             raise ValueError(
                 f"input_spec shape {self.input_spec.shape} differs from the network's {self.network.input_spec.shape}"
             )
+        if self.explain is not None and EXPLAIN_FILE not in self.files:
+            raise ValueError(f"explain is set but {EXPLAIN_FILE} is not listed in files")
         return self
 
 
@@ -141,6 +155,8 @@ class Bundle:
     manifest: BundleManifest
     model: ObservableResNet
     detector: Detector
+    band: CleanBand | None = None
+    gallery: Gallery | None = None
 
 
 def detector_kind(detector: Detector) -> str:
@@ -169,12 +185,15 @@ def write_bundle(
     metrics: dict[str, float] | None = None,
     features: FeatureSpec | None = None,
     input_spec: InputSpec | None = None,
+    band: CleanBand | None = None,
+    gallery: Gallery | None = None,
 ) -> Path:
     """Write a bundle directory from a saved network (``network_dir``) and a fitted detector.
 
     ``features`` must be the spec the detector's features were extracted with (default: the
     residues of the network's default taps); ``input_spec`` overrides the network's (e.g.
-    ``resize="strict"``). Returns ``out_dir``.
+    ``resize="strict"``); ``band`` and ``gallery`` (optional) go to ``explain.safetensors`` for
+    ``/v1/explain`` and the page. Returns ``out_dir``.
     """
     spec = features or FeatureSpec()
     network_dir = Path(network_dir)
@@ -196,6 +215,8 @@ def write_bundle(
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(weights, out / WEIGHTS_FILE)
     save_numpy({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(out / DETECTOR_FILE))
+    explain = _write_explain(out, band, gallery)
+    files = [*REQUIRED_FILES, EXPLAIN_FILE] if explain is not None else list(REQUIRED_FILES)
     manifest = BundleManifest(
         format_version=BUNDLE_FORMAT_VERSION,
         name=name,
@@ -220,10 +241,44 @@ def write_bundle(
         target_fpr=float(calibration.target_fpr),
         default_vote_threshold=float(calibration.default_vote_threshold),
         metrics={k: float(v) for k, v in (metrics or {}).items()},
-        files={f: sha256_file(out / f) for f in REQUIRED_FILES},
+        explain=explain,
+        files={f: sha256_file(out / f) for f in files},
     )
     write_text(out / MANIFEST_FILE, manifest.model_dump_json(indent=2))
     return out
+
+
+def _write_explain(
+    out: Path, band: CleanBand | None, gallery: Gallery | None
+) -> ExplainSpec | None:
+    """``explain.safetensors`` of the band and gallery (when there is one) and its manifest part."""
+    (out / EXPLAIN_FILE).unlink(missing_ok=True)
+    if band is None and gallery is None:
+        return None
+    arrays = {**(band.to_arrays() if band else {}), **(gallery.to_arrays() if gallery else {})}
+    save_numpy({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(out / EXPLAIN_FILE))
+    return ExplainSpec(
+        band_quantiles=list(band.quantiles) if band else None,
+        gallery=list(gallery.items) if gallery else [],
+    )
+
+
+def _read_explain(
+    root: Path, manifest: BundleManifest, n_blocks: int
+) -> tuple[CleanBand | None, Gallery | None]:
+    """The band and gallery of a bundle whose manifest lists them (checksums already verified)."""
+    spec = manifest.explain
+    if spec is None:
+        return None, None
+    try:
+        arrays = load_numpy(str(root / EXPLAIN_FILE))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ArtefactError(f"cannot read bundle file {EXPLAIN_FILE}: {error}") from error
+    band = None
+    if spec.band_quantiles is not None:
+        band = CleanBand.from_arrays(arrays, len(manifest.class_names), n_blocks)
+    gallery = Gallery.from_arrays(arrays, spec.gallery, manifest.input_spec.shape)
+    return band, gallery
 
 
 def read_manifest(path: str | Path) -> BundleManifest:
@@ -289,9 +344,12 @@ def load_bundle(path: str | Path, *, device: str | torch.device = "cpu") -> Bund
             f"bundle detector takes {n_features} features named {spec.feature_names[:4]}..., "
             f"but the network gives {len(expected)}: the detector belongs to another network"
         )
+    band, gallery = _read_explain(root, manifest, n_blocks)
     return Bundle(
         path=root,
         manifest=manifest,
         model=model.to(resolve_device(device)).eval(),
         detector=detector,
+        band=band,
+        gallery=gallery,
     )

@@ -20,6 +20,7 @@ from detector.base import Detector
 from detector.bundle import BundleManifest, load_bundle
 from detector.calibration import Calibration
 from detector.errors import ConfigError, InputError
+from detector.explain import CleanBand, Gallery, block_features
 from detector.features import FeatureSpec, TransportFeatureExtractor
 from detector.networks import InputSpec, load, resolve_device
 from detector.preprocessing import prepare_images
@@ -36,6 +37,7 @@ class GuardResult:
     scores: np.ndarray  # float32, higher = more abnormal
     flagged: np.ndarray  # bool, scores > threshold
     threshold: float
+    blocks: np.ndarray | None = None  # float32 [N, 2, M]: (msq_m, cos_m) of every block
 
 
 class Guard:
@@ -53,6 +55,8 @@ class Guard:
         device: str | torch.device = "auto",
         manifest: BundleManifest | None = None,
         batch_size: int = 256,
+        band: CleanBand | None = None,
+        gallery: Gallery | None = None,
     ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
@@ -64,6 +68,9 @@ class Guard:
         self.batch_size = int(batch_size)
         self._extractor = TransportFeatureExtractor(self.model, features)
         self.feature_names = self._extractor.feature_names
+        self.block_names = self._extractor.tap_names
+        self.band = band  # the clean band per class (explanations), when the bundle has one
+        self.gallery = gallery
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------------------------------
@@ -84,6 +91,8 @@ class Guard:
             features=manifest.detector.feature_spec,
             device=target,
             manifest=manifest,
+            band=bundle.band,
+            gallery=bundle.gallery,
         )
 
     @classmethod
@@ -150,9 +159,10 @@ class Guard:
             for i in range(0, len(batch), self.batch_size)
         ]
         if chunks:
-            logits, scores = (torch.cat(parts) for parts in zip(*chunks, strict=True))
+            logits, scores, features = (torch.cat(parts) for parts in zip(*chunks, strict=True))
         else:
             logits, scores = torch.zeros(0, len(self.class_names)), torch.zeros(0)
+            features = torch.zeros(0, len(self.feature_names))
         probabilities = torch.softmax(logits.float(), dim=1)
         confidences, labels = probabilities.max(dim=1)
         label_array = labels.numpy().astype(np.int64)
@@ -165,14 +175,19 @@ class Guard:
             scores=score_array,
             flagged=score_array > self.threshold,
             threshold=self.threshold,
+            blocks=block_features(features.numpy(), len(self.block_names)),
         )
 
-    def _predict_chunk(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _predict_chunk(
+        self, batch: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, scores, the residue columns msq_m/cos_m of the features) of one chunk."""
         with self._lock, torch.inference_mode(), self._extractor as fx:
             logits = self.model(batch.to(self.device, torch.float32))
             features = fx.features()
             scores = self.detector_module(features, logits.argmax(dim=1))
-            return logits.float().cpu(), scores.float().cpu()
+            residues = features[:, : 2 * len(self.block_names)]
+            return logits.float().cpu(), scores.float().cpu(), residues.float().cpu()
 
     def predict_images(self, images: Sequence[np.ndarray] | np.ndarray) -> GuardResult:
         """:meth:`prepare` then :meth:`predict`."""

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 import detector
 from service.errors import install_error_handlers
 from service.middleware import BodyLimitMiddleware, RequestContextMiddleware
-from service.routes import admin, health, predict, v2
+from service.routes import admin, explain, health, page, predict, v2
 from service.runtime import Runtime
 from service.settings import Settings, load_settings
 
@@ -54,4 +54,7 @@ def create_app(settings: Settings | None = None, guard: Guard | None = None) -> 
     app.include_router(predict.router)
     app.include_router(v2.router)
     app.include_router(admin.router)
+    app.include_router(explain.router)
+    app.include_router(page.router)
+    app.mount("/static", page.static_files(), name="static")
     return app

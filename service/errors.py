@@ -48,6 +48,10 @@ class ReloadRefusedError(ServiceError):
     """A bundle to hot-reload failed verification or warm-up; the previous one keeps serving."""
 
 
+class NotFoundError(ServiceError):
+    """A resource the request names does not exist (e.g. a gallery sample past the last)."""
+
+
 class ModelNotFoundError(ServiceError):
     """A v2 route named a model this server does not serve."""
 
@@ -82,6 +86,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (ForbiddenError, 403, "forbidden"),
     (ReloadRefusedError, 422, "bundle_refused"),
     (ModelNotFoundError, 404, "model_not_found"),
+    (NotFoundError, 404, "not_found"),
     (InputTooLargeError, 413, "payload_too_large"),
     (UnsupportedMediaError, 415, "unsupported_media_type"),
     (InputError, 400, "invalid_input"),

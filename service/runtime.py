@@ -23,6 +23,7 @@ import torch
 from detector.errors import ConfigError, InputError, LapguardError
 from detector.guard import GuardResult
 from detector.images import decode_image, image_pixels
+from service.activity import RecentActivity
 from service.batching import MicroBatcher, Predict
 from service.errors import (
     NotReadyError,
@@ -70,6 +71,7 @@ class Runtime:
         self.settings = settings
         self.served = ServedBundle(guard, settings.bundle) if guard is not None else None
         self.metrics = Metrics()
+        self.activity = RecentActivity()  # the page's live panel (GET /v1/stats)
         self.batcher: MicroBatcher | None = None
         self.ready = False
         self.draining = False
@@ -387,11 +389,14 @@ class Runtime:
             arrays = [
                 self._decode(blob, name, guard) for blob, name in zip(blobs, names, strict=True)
             ]
-            return await batcher.submit(
+            result = await batcher.submit(
                 partial(_prepare_named, guard, arrays, names), size=len(arrays)
             )
-        images = await anyio.to_thread.run_sync(self._decode_and_prepare, guard, blobs, names)
-        return await batcher.submit(images)
+        else:
+            images = await anyio.to_thread.run_sync(self._decode_and_prepare, guard, blobs, names)
+            result = await batcher.submit(images)
+        self.activity.record(result.scores, result.flagged)
+        return result
 
     async def score_array(self, array: np.ndarray) -> GuardResult:
         """Score an ``[N, C, H, W]`` float array in the input spec's value range (converted, and
@@ -405,7 +410,11 @@ class Runtime:
             )
         if array.shape[0] == 0:
             raise InputError("the input tensor holds no images (N = 0)")
-        return await self._batcher().submit(partial(guard.prepare, array), size=int(array.shape[0]))
+        result = await self._batcher().submit(
+            partial(guard.prepare, array), size=int(array.shape[0])
+        )
+        self.activity.record(result.scores, result.flagged)
+        return result
 
     def _batcher(self) -> MicroBatcher:
         if self.batcher is None:

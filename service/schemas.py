@@ -232,3 +232,85 @@ class InferenceResponse(BaseModel):
     id: str | None = None
     parameters: dict[str, Any] | None = None
     outputs: list[ResponseOutput]
+
+
+# ---- explanations, the gallery and the live panel (the page at /) ----------------------------
+class BlockBand(BaseModel):
+    """Quantiles of each block's feature over the clean images of one class (training side)."""
+
+    msq: list[list[float]] = Field(description="[quantile][block] of msq_m = ||r_m||^2 / d_m")
+    cos: list[list[float]] = Field(description="[quantile][block] of cos_m = cos(r_m, 1)")
+
+
+class Explanation(BaseModel):
+    """How the input moved through the network's blocks, against clean images of its class."""
+
+    msq: list[float] = Field(description="msq_m = ||r_m||^2 / d_m of each block m, this input")
+    cos: list[float] = Field(description="cos_m = cos(r_m, 1) of each block m, this input")
+    band: BlockBand | None = Field(
+        default=None,
+        description="the clean band of the predicted class (None: the bundle has none)",
+    )
+    outside: list[int] = Field(
+        description="the blocks where msq or cos lies outside the band's outer quantiles"
+    )
+
+
+class ExplainedPrediction(Prediction):
+    explanation: Explanation
+
+
+class ExplainResponse(BaseModel):
+    """``POST /v1/explain``: the predictions of ``/v1/predict`` plus each image's explanation."""
+
+    model: ModelRef
+    blocks: list[str] = Field(description="the residual blocks, in the order of every list")
+    band_quantiles: list[float] | None = Field(
+        default=None, description="the quantile levels of the bands' rows (None: no band)"
+    )
+    band_images: list[int] | None = Field(
+        default=None, description="clean training images per class behind the band"
+    )
+    results: list[ExplainedPrediction]
+
+
+class GallerySample(BaseModel):
+    index: int
+    name: str
+    kind: Literal["clean", "adversarial", "ood"]
+    source: str = Field(description="'test' for clean images, the attack key, or the OOD set")
+    label: str | None = Field(default=None, description="the true class (None for OOD images)")
+    url: str = Field(description="the PNG of this sample, as a client would send it")
+
+
+class GalleryResponse(BaseModel):
+    samples: list[GallerySample]
+
+
+class ActivityBucket(BaseModel):
+    start: float = Field(description="seconds since the epoch at the bucket's start")
+    requests: int
+    images: int
+    flagged: int
+
+
+class ScoreHistogram(BaseModel):
+    edges: list[float] = Field(description="bin edges (len(counts) + 1)")
+    counts: list[int]
+    flagged: list[int] = Field(description="per bin, how many were flagged")
+
+
+class ActivityResponse(BaseModel):
+    """``GET /v1/stats``: recent scoring activity of this process (the page's live panel;
+    Prometheus' /metrics stays the source for monitoring)."""
+
+    window_s: float
+    bucket_s: float
+    requests: int
+    images: int
+    flagged: int
+    request_rate: float = Field(description="requests per second over the window")
+    flag_rate: float | None = Field(description="share of the window's images flagged")
+    threshold: float | None
+    buckets: list[ActivityBucket]
+    histogram: ScoreHistogram

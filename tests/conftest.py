@@ -56,6 +56,23 @@ def tiny_network(tiny_config: NetworkConfig) -> torch.nn.Module:
     return build_network(tiny_config).eval()
 
 
+# ---- the smoke pipeline, run once per session (pipeline, page and demo tests read it) -----------
+def run_smoke_pipeline(out: Path, data_root: Path) -> int:
+    """`lapguard pipeline --preset smoke --out OUT --root DATA_ROOT --no-progress`; its exit code."""
+    from training.cli import main as cli_main
+
+    command = ["pipeline", "--preset", "smoke", "--out", str(out), "--root", str(data_root)]
+    return cli_main([*command, "--no-progress"])
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory, data_root: Path) -> Path:
+    """A finished smoke run (~30 s); read-only: copy it to change it."""
+    run = tmp_path_factory.mktemp("smoke") / "run"
+    assert run_smoke_pipeline(run, data_root) == 0
+    return run
+
+
 # ---- the service: a tiny real bundle and a live server ------------------------------------------
 @pytest.fixture(scope="session")
 def service_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:

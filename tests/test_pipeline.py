@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from detector.guard import Guard
+from tests.conftest import run_smoke_pipeline
 from training.cli import main as cli_main
 
 pytestmark = pytest.mark.slow
@@ -19,19 +20,6 @@ DETECTION_ROW_KEYS = {
     *("accuracy", "auroc", "tpr", "fpr", "fpr_at_95_tpr", "successful_attack_detection_rate"),
     *("runs", "accuracy_std"),
 }
-
-
-def run_smoke_pipeline(out: Path, data_root: Path) -> int:
-    """`lapguard pipeline --preset smoke --out OUT --root DATA_ROOT --no-progress`; its exit code."""
-    command = ["pipeline", "--preset", "smoke", "--out", str(out), "--root", str(data_root)]
-    return cli_main([*command, "--no-progress"])
-
-
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory, data_root) -> Path:
-    run = tmp_path_factory.mktemp("smoke") / "run"
-    assert run_smoke_pipeline(run, data_root) == 0
-    return run
 
 
 def test_results_json_follows_the_design_contract(smoke_run) -> None:

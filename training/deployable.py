@@ -162,9 +162,13 @@ def bundle_metrics(run: str | Path, info: dict[str, Any]) -> dict[str, float]:
 
 
 def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
-    """The deployable bundle of a finished run (default RUN/bundle)."""
+    """The deployable bundle of a finished run (default RUN/bundle), with the clean band and the
+    gallery that ``/v1/explain`` and the page show (:mod:`training.explain_assets`)."""
+    from training.explain_assets import explain_assets
+
     config = read_pipeline_config(run)
     detector, calibration, info = load_deployable(run)
+    band, gallery = explain_assets(run, info)
     return write_bundle(
         out or RunDir(run).bundle,
         network_dir=RunDir(run).model(info["network"]),
@@ -174,4 +178,6 @@ def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
         dataset=config.dataset,
         metrics=bundle_metrics(run, info),
         features=FeatureSpec(**info.get("features", {})),
+        band=band,
+        gallery=gallery,
     )

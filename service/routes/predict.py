@@ -6,12 +6,14 @@ from __future__ import annotations
 import base64
 import binascii
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from detector.errors import InputError, InputTooLargeError, UnsupportedMediaError
+from detector.guard import GuardResult
 from service.deps import RuntimeDep, client_of
 from service.routes.inference import inference_route
 from service.runtime import Runtime
@@ -19,7 +21,7 @@ from service.schemas import ModelRef, Prediction, PredictRequest, PredictRespons
 
 router = APIRouter(tags=["v1"])
 
-_BODY = {
+IMAGES_BODY = {
     "requestBody": {
         "required": True,
         "content": {
@@ -44,10 +46,23 @@ _ACCEPTED_PART_TYPES = ("image/", "application/octet-stream")
     router,
     "/v1/predict",
     response_model=PredictResponse,
-    openapi_extra=_BODY,
+    openapi_extra=IMAGES_BODY,
     summary="classify images and flag adversarial / out-of-distribution ones",
 )
 async def predict(request: Request, runtime: RuntimeDep) -> PredictResponse:
+    result, filenames, query_attack = await score_request(request, runtime)
+    name, version = runtime.answered_by(result)  # the bundle that computed it, across a reload
+    return PredictResponse(
+        model=ModelRef(name=name, version=version),
+        results=predictions(result, filenames, query_attack),
+    )
+
+
+async def score_request(
+    request: Request, runtime: Runtime
+) -> tuple[GuardResult, list[str | None], np.ndarray]:
+    """The body's images scored (micro-batched) and screened for query attacks: (result, each
+    image's filename, each image's ``query_attack``). Shared by ``/v1/predict`` and ``/v1/explain``."""
     runtime.check_ready()  # refuse before reading the body
     client = client_of(request, runtime)
     await runtime.admit_client(client)
@@ -63,24 +78,27 @@ async def predict(request: Request, runtime: RuntimeDep) -> PredictResponse:
         )
     result = await runtime.score_encoded(blobs, names)
     query_attack = await runtime.screen_queries(client, result)
-    name, version = runtime.answered_by(result)  # the bundle that computed it, across a reload
-    return PredictResponse(
-        model=ModelRef(name=name, version=version),
-        results=[
-            Prediction(
-                index=i,
-                filename=filenames[i],
-                label=int(result.labels[i]),
-                class_name=result.class_names[i],
-                confidence=float(result.confidences[i]),
-                flagged=bool(result.flagged[i]),
-                score=float(result.scores[i]),
-                threshold=float(result.threshold),
-                query_attack=bool(query_attack[i]),
-            )
-            for i in range(len(blobs))
-        ],
-    )
+    return result, filenames, query_attack
+
+
+def predictions(
+    result: GuardResult, filenames: list[str | None], query_attack: np.ndarray
+) -> list[Prediction]:
+    """One :class:`Prediction` per image of ``result``."""
+    return [
+        Prediction(
+            index=i,
+            filename=filenames[i],
+            label=int(result.labels[i]),
+            class_name=result.class_names[i],
+            confidence=float(result.confidences[i]),
+            flagged=bool(result.flagged[i]),
+            score=float(result.scores[i]),
+            threshold=float(result.threshold),
+            query_attack=bool(query_attack[i]),
+        )
+        for i in range(len(result.labels))
+    ]
 
 
 def _check_count(count: int, runtime: Runtime) -> None:
