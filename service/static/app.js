@@ -190,7 +190,7 @@ function chart(title, blocks, explanation, feature, logScale) {
     svg.append(dot);
   });
   for (const v of [lo + pad, hi - pad]) {
-    svg.append(svgEl("text", { x: PAD.left - 4, y: y(v) + 3, class: "axis", "text-anchor": "end" }, logScale ? `1e${v.toFixed(1)}` : v.toFixed(2)));
+    svg.append(svgEl("text", { x: PAD.left - 4, y: y(v) + 3, class: "axis", "text-anchor": "end" }, logScale ? fmt(10 ** v) : v.toFixed(2)));
   }
   svg.append(svgEl("text", { x: (W + PAD.left) / 2, y: H - 6, class: "axis", "text-anchor": "middle" }, `block 0 … ${blocks.length - 1}`));
   return svg;
