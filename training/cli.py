@@ -403,7 +403,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--first-preset",
         default="smoke",
-        help="the preset served while --preset is built (default smoke)",
+        help="the preset served while --preset is built (default smoke; the same as --preset: "
+        "that run is made or reused, then served, nothing runs in the background)",
     )
     p.add_argument(
         "--first-out",
@@ -412,7 +413,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="its run directory (default runs/<first preset>)",
     )
     p.add_argument("--root", type=Path, default=None, help="data root")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000)")
     p.add_argument(
         "--no-serve",
         action="store_true",

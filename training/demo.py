@@ -14,19 +14,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
+from pydantic import SecretStr
 
-from detector.errors import ConfigError, LapguardError
+from detector.artefacts import read_json
+from detector.errors import ArtefactError, ConfigError, LapguardError
 from detector.guard import Guard
+from service.settings import Settings, load_settings
 from training import adversarial
+from training.background import BackgroundPipeline, BundleSwitcher, wait_ready
 from training.presets.pipelines import PipelineConfig
 from training.rundir import RunDir
-
-if TYPE_CHECKING:
-    from service.settings import Settings
+from training.steps import default_run_dir, preset_config
 
 CANDIDATES = 200
 
@@ -130,10 +131,6 @@ class DemoOptions:
 def is_finished(run: Path) -> bool:
     """Whether ``run`` holds a finished pipeline run: its bundle is written and no progress file
     says a run is under way or failed there (runs from before progress files have none)."""
-    from detector.artefacts import read_json
-    from detector.errors import ArtefactError
-    from training.rundir import RunDir
-
     layout = RunDir(run)
     if not (layout.bundle / "manifest.json").is_file():
         return False
@@ -146,10 +143,6 @@ def is_finished(run: Path) -> bool:
 def demo_settings(bundle: Path, port: int, progress_file: Path | None = None) -> Settings:
     """Server settings for the demo: loopback, ``LAPGUARD_*`` from the environment, and an admin
     key so the demo can reload the server (a random one unless an admin or API key is set)."""
-    from pydantic import SecretStr
-
-    from service.settings import load_settings
-
     settings = load_settings(
         bundle=bundle, host="127.0.0.1", port=port, progress_file=progress_file
     )
@@ -160,7 +153,6 @@ def demo_settings(bundle: Path, port: int, progress_file: Path | None = None) ->
 
 def announce_ready(url: str, started: float, say: Callable[[str], None]) -> threading.Thread:
     """A thread that says when the server at ``url`` is ready, timed from ``started``."""
-    from training.background import wait_ready
 
     def watch() -> None:
         if wait_ready(url):
@@ -175,8 +167,6 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Non
     """Print the page's address; serve the final preset's bundle when its run is finished, else
     the first preset's (run or reused here) while the final one is built in the background; the
     server switches to it when it is ready. Ctrl-C stops the server and the background run."""
-    from training.steps import default_run_dir, preset_config
-
     started = time.monotonic()
     final = preset_config(options.preset)
     final_run = options.out or default_run_dir(final)
@@ -185,10 +175,11 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Non
         say("\n".join(demo_instructions(final_run, samples, options.port)))
         return
     say(f"lapguard demo: the page is at {options.url}/")
-    if is_finished(final_run) or options.first_preset == options.preset:
+    finished = is_finished(final_run)
+    if finished or options.first_preset == options.preset:
         samples = (
             write_demo_samples(final, final_run, final_run / "demo", root=options.root)
-            if is_finished(final_run)
+            if finished
             else prepare_demo(final, final_run, root=options.root)
         )
         say("\n".join(demo_instructions(final_run, samples, options.port)))
@@ -213,9 +204,9 @@ def _serve_while_building(
     say: Callable[[str], None],
 ) -> None:
     """Serve ``settings.bundle`` while the final preset is built in a subprocess; switch to it."""
-    from training.background import BackgroundPipeline, BundleSwitcher
-    from training.steps import preset_config
-
+    key = settings.admin_key or settings.api_key
+    if key is None:  # demo_settings always sets one
+        raise ConfigError("the demo needs an admin key to switch bundles")
     final = preset_config(options.preset)
     pipeline = BackgroundPipeline(final.name, final_run, root=options.root).start()
     duration = f" ({final.expected_duration})" if final.expected_duration else ""
@@ -233,9 +224,6 @@ def _serve_while_building(
             return
         say("\n".join(demo_instructions(final_run, samples, options.port)))
 
-    key = settings.admin_key or settings.api_key
-    if key is None:  # demo_settings always sets one
-        raise ConfigError("the demo needs an admin key to switch bundles")
     switcher = BundleSwitcher(
         pipeline,
         options.url,
