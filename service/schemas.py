@@ -85,6 +85,23 @@ class PredictResponse(BaseModel):
     results: list[Prediction]
 
 
+class BuildProgress(BaseModel):
+    """A pipeline run building the next bundle: its ``RUN/progress.json`` (training/progress.py)."""
+
+    preset: str = Field(description="the pipeline preset being run, e.g. quick")
+    step: str = Field(description="the step under way (or the last one), e.g. 'attack lap/cw'")
+    done: int = Field(ge=0, description="steps finished")
+    total: int = Field(ge=1, description="steps in the run")
+    state: Literal["running", "done", "failed"] = Field(
+        description="running; done (its bundle is written); failed (see message)"
+    )
+    started: str = Field(description="when the run started, ISO 8601 (UTC)")
+    updated: str = Field(description="when the file was last written, ISO 8601 (UTC)")
+    message: str | None = Field(
+        default=None, description="why the run failed or stopped; null while it runs"
+    )
+
+
 class ModelSummary(BaseModel):
     """``GET /v1/model``: what is served, from the bundle's manifest."""
 
@@ -106,6 +123,13 @@ class ModelSummary(BaseModel):
     device: str
     max_batch_size: int
     ready: bool
+    building: BuildProgress | None = Field(
+        default=None,
+        description=(
+            "progress of the pipeline run building the next bundle (LAPGUARD_PROGRESS_FILE); "
+            "null when none is configured or its file is missing or unreadable"
+        ),
+    )
 
 
 # ---- admin ----------------------------------------------------------------------------------

@@ -31,6 +31,13 @@ class Settings(BaseSettings):
     model_name: str | None = Field(
         default=None, description="name served under /v2/models (default: the bundle's)"
     )
+    progress_file: Path | None = Field(
+        default=None,
+        description=(
+            "progress.json of a pipeline run building the next bundle (`lapguard demo` sets it); "
+            "GET /v1/model reports it as `building`"
+        ),
+    )
 
     # Micro-batching
     max_batch_size: int = Field(

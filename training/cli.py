@@ -387,34 +387,55 @@ def _run_diagnose(args: argparse.Namespace) -> int:
 # ---- demo ------------------------------------------------------------------------------------
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "demo", help="run (or reuse) the quick pipeline, then serve its bundle on 127.0.0.1"
+        "demo",
+        help="serve a bundle on 127.0.0.1 at once (the smoke preset's, built in ~1 min) while "
+        "the quick pipeline runs in the background, then switch to the quick bundle",
+        description="Prints the page's address, runs (or reuses) the --first-preset pipeline and "
+        "serves its bundle while the --preset pipeline runs in a subprocess (log and "
+        "progress.json in its run directory); when that succeeds, the server switches to its "
+        "bundle by itself. A finished --preset run is served directly. Ctrl-C stops both; "
+        "running the command again resumes the background run.",
     )
-    p.add_argument("--preset", default="quick", help="pipeline preset (default quick)")
-    p.add_argument("--out", type=Path, default=None, help="run directory (default runs/<preset>)")
+    p.add_argument("--preset", default="quick", help="the final pipeline preset (default quick)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="its run directory (default runs/<preset>)"
+    )
+    p.add_argument(
+        "--first-preset",
+        default="smoke",
+        help="the preset served while --preset is built (default smoke; the same as --preset: "
+        "that run is made or reused, then served, nothing runs in the background)",
+    )
+    p.add_argument(
+        "--first-out",
+        type=Path,
+        default=None,
+        help="its run directory (default runs/<first preset>)",
+    )
     p.add_argument("--root", type=Path, default=None, help="data root")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000)")
     p.add_argument(
         "--no-serve",
         action="store_true",
-        help="prepare everything, print the commands, do not serve",
+        help="run (or reuse) the --preset pipeline here, write its demo images, print the "
+        "commands; do not serve",
     )
     p.set_defaults(handler=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from training.demo import demo_instructions, prepare_demo
-    from training.steps import default_run_dir, preset_config
+    from training.demo import DemoOptions, run_demo
 
-    config = preset_config(args.preset)
-    run = args.out or default_run_dir(config)
-    samples = prepare_demo(config, run, root=args.root)
-    _print_lines(demo_instructions(run, samples, args.port))
-    if args.no_serve:
-        return 0
-    from service.server import serve
-    from service.settings import load_settings
-
-    serve(load_settings(bundle=run / "bundle", host="127.0.0.1", port=args.port))
+    options = DemoOptions(
+        preset=args.preset,
+        first_preset=args.first_preset,
+        out=args.out,
+        first_out=args.first_out,
+        root=args.root,
+        port=args.port,
+        serve=not args.no_serve,
+    )
+    run_demo(options, say=lambda line: print(line, flush=True))
     return 0
 
 

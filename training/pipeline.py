@@ -10,7 +10,9 @@ from there.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from training.experiments import Samples, on_all_cores, run_protocols, save_firs
 from training.feature_selection import restrict, select_features, spec_columns, union_spec
 from training.presets import get_train_preset
 from training.presets.pipelines import PipelineConfig
+from training.progress import PipelineProgress
 from training.rundir import RunDir
 from training.trainer import train
 
@@ -119,26 +122,30 @@ class PipelineRun:
             )
         return self._images[name]
 
-    def attack_sets(self, name: str) -> dict[str, adversarial.AdversarialSet]:
-        """Every configured attack on network ``name`` (generated once, then loaded)."""
-        if name not in self._sets:
+    def attack_set(self, name: str, key: str) -> adversarial.AdversarialSet:
+        """The configured attack ``key`` on network ``name`` (generated once, then loaded)."""
+        sets = self._sets.setdefault(name, {})
+        if key not in sets:
+            spec = next(a for a in self.config.attacks if a.key == key)
             x, y, indices = self.test_images(name)
-            self._sets[name] = {
-                spec.key: adversarial.get_or_generate(
-                    self.dir.attacks(name),
-                    self.model(name),
-                    x[: spec.n_for(name)],
-                    y[: spec.n_for(name)],
-                    indices[: spec.n_for(name)],
-                    spec.attack,
-                    spec.params,
-                    seed=0,
-                    device=self.config.device,
-                    progress=self.progress,
-                )
-                for spec in self.config.attacks
-            }
-        return self._sets[name]
+            n = spec.n_for(name)
+            sets[key] = adversarial.get_or_generate(
+                self.dir.attacks(name),
+                self.model(name),
+                x[:n],
+                y[:n],
+                indices[:n],
+                spec.attack,
+                spec.params,
+                seed=0,
+                device=self.config.device,
+                progress=self.progress,
+            )
+        return sets[key]
+
+    def attack_sets(self, name: str) -> dict[str, adversarial.AdversarialSet]:
+        """Every configured attack on network ``name``, in the config's order."""
+        return {spec.key: self.attack_set(name, spec.key) for spec in self.config.attacks}
 
     def samples(self, name: str) -> NetworkSamples:
         """Clean, attacked and OOD samples of network ``name`` with their (cached) features, in
@@ -226,11 +233,17 @@ class PipelineRun:
 
 
 # ---- steps -------------------------------------------------------------------------------------
+def train_model(run: PipelineRun, name: str) -> None:
+    """Train (or resume, or find finished) the config's network ``name``."""
+    preset = run.config.models[name]
+    train_config = get_train_preset(preset).model_copy(update={"device": run.config.device})
+    train(train_config, run.dir.model(name), root=run.root, progress=run.progress)
+
+
 def train_models(run: PipelineRun) -> None:
     """Train (or resume, or find finished) every network of the config."""
-    for name, preset in run.config.models.items():
-        train_config = get_train_preset(preset).model_copy(update={"device": run.config.device})
-        train(train_config, run.dir.model(name), root=run.root, progress=run.progress)
+    for name in run.config.models:
+        train_model(run, name)
 
 
 def evaluate(run: PipelineRun) -> dict[str, Any]:
@@ -336,22 +349,43 @@ def _feature_timing(
     return timings
 
 
-def run_pipeline(
-    config: PipelineConfig, run: str | Path, *, root: Path | None = None, progress: bool = True
-) -> dict[str, Any]:
-    """All steps, each cached: re-running after an interruption resumes, a finished run is a no-op."""
+def pipeline_steps(run: PipelineRun) -> list[tuple[str, Callable[[], Any]]]:
+    """The steps of :func:`run_pipeline` in order, by name: one per network trained, one per
+    attack set (network x attack), then the evaluation, the deployable detector, results.json,
+    the report and the bundle."""
     from training.deployable import fit_deployable, write_run_bundle
     from training.report import write_report
     from training.results import write_results
 
+    names = list(run.config.models)
+    keys = [spec.key for spec in run.config.attacks]
+    return [
+        *((f"train {name}", partial(train_model, run, name)) for name in names),
+        *(
+            (f"attack {name}/{key}", partial(run.attack_set, name, key))
+            for name in names
+            for key in keys
+        ),
+        ("evaluate", partial(evaluate, run)),
+        ("fit deployable", partial(fit_deployable, run)),
+        ("results", partial(write_results, run)),
+        ("report", partial(write_report, run.dir.path)),
+        ("bundle", partial(write_run_bundle, run.dir.path)),
+    ]
+
+
+def run_pipeline(
+    config: PipelineConfig, run: str | Path, *, root: Path | None = None, progress: bool = True
+) -> dict[str, Any]:
+    """All steps, each cached: re-running after an interruption resumes, a finished run is a
+    no-op. ``RUN/progress.json`` says which step runs (:mod:`training.progress`); returns the
+    contents of results.json."""
     init_run(config, run)
     pipeline = PipelineRun(config, run, root=root, progress=progress)
-    train_models(pipeline)
-    for name in config.models:
-        pipeline.attack_sets(name)
-    evaluate(pipeline)
-    fit_deployable(pipeline)
-    results = write_results(pipeline)
-    write_report(pipeline.dir.path)
-    write_run_bundle(pipeline.dir.path)
-    return results
+    steps = pipeline_steps(pipeline)
+    tracker = PipelineProgress(pipeline.dir.progress_file, preset=config.name, total=len(steps))
+    outputs: dict[str, Any] = {}
+    for name, call in steps:
+        with tracker.step(name):
+            outputs[name] = call()
+    return dict(outputs["results"])

@@ -3,6 +3,8 @@
 Run directory (``lapguard pipeline --run RUN``)::
 
     pipeline_config.json
+    progress.json                           the step under way, k of n (training/progress.py)
+    pipeline.log                            the output of a pipeline run in the background (demo)
     models/<name>/                          trained networks (a ModelDir each)
     attacks/<name>/<attack>-<key>/          adversarial sets (training/adversarial.py)
     features/<name>/<set>.npz               transport features + logits of a sample set
@@ -41,6 +43,8 @@ EVALUATION_FILE = "evaluation.json"
 RESULTS_FILE = "results.json"
 DIAGNOSTICS_FILE = "diagnostics.json"
 REPORT_FILE = "report.md"
+PROGRESS_FILE = "progress.json"
+PIPELINE_LOG = "pipeline.log"
 MODELS_DIR = "models"
 ATTACKS_DIR = "attacks"
 FEATURES_DIR = "features"
@@ -142,6 +146,14 @@ class RunDir:
     @property
     def diagnostics_file(self) -> Path:
         return self.path / DIAGNOSTICS_FILE
+
+    @property
+    def progress_file(self) -> Path:
+        return self.path / PROGRESS_FILE
+
+    @property
+    def pipeline_log(self) -> Path:
+        return self.path / PIPELINE_LOG
 
     # ---- folders -----------------------------------------------------------------------------
     @property

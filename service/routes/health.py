@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from service.deps import RuntimeDep
-from service.schemas import ErrorResponse, Health, ModelSummary
+from service.schemas import BuildProgress, ErrorResponse, Health, ModelSummary
 
 router = APIRouter(tags=["operations"])
 
@@ -60,7 +63,19 @@ async def model_summary(runtime: RuntimeDep) -> ModelSummary:
         device=str(guard.device),
         max_batch_size=runtime.settings.max_batch_size,
         ready=runtime.ready,
+        building=read_build_progress(runtime.settings.progress_file),
     )
+
+
+def read_build_progress(path: Path | None) -> BuildProgress | None:
+    """The progress file of the bundle being built, read now (a few hundred bytes, written
+    atomically); None when there is none or it is missing, unreadable or not progress JSON."""
+    if path is None:
+        return None
+    try:
+        return BuildProgress.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)

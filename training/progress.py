@@ -1,0 +1,71 @@
+"""``RUN/progress.json``: which step of a pipeline run is under way, so that another process (the
+demo's server, a page polling ``GET /v1/model``) can show how far the run is.
+
+The file is rewritten atomically when a step starts and when it ends::
+
+    {"preset": "quick", "step": "attack lap/cw", "done": 7, "total": 23,
+     "state": "running", "started": "2026-11-23T14:00:00+00:00",
+     "updated": "2026-11-23T14:12:31+00:00", "message": null}
+
+``state`` is ``running``, ``done`` or ``failed`` (then ``message`` says why; an interrupted run is
+``failed`` too, and resumes when run again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from detector import artefacts
+
+State = Literal["running", "done", "failed"]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class PipelineProgress:
+    """Writes ``path`` as the steps of one pipeline run (``total`` of them) start and end."""
+
+    def __init__(self, path: Path, *, preset: str, total: int) -> None:
+        self.path = Path(path)
+        self.preset = preset
+        self.total = total
+        self.done = 0
+        self.started = _now()
+
+    def write(self, step: str, state: State, message: str | None = None) -> None:
+        """Rewrite the file (atomically: a reader sees the old or the new content)."""
+        payload: dict[str, Any] = {
+            "preset": self.preset,
+            "step": step,
+            "done": self.done,
+            "total": self.total,
+            "state": state,
+            "started": self.started,
+            "updated": _now(),
+            "message": message,
+        }
+        artefacts.write_json(self.path, payload)
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """Mark step ``name`` running, then count it done; an exception (Ctrl-C included) marks
+        the run failed with its message and propagates."""
+        self.write(name, "running")
+        try:
+            yield
+        except BaseException as error:
+            message = (
+                "interrupted; run the pipeline again to resume"
+                if isinstance(error, KeyboardInterrupt)
+                else f"{type(error).__name__}: {error}"
+            )
+            self.write(name, "failed", message)
+            raise
+        self.done += 1
+        self.write(name, "running" if self.done < self.total else "done")
