@@ -155,7 +155,7 @@ def test_switch_reloads_the_live_server_through_the_admin_call(served, tmp_path)
     assert said[-1].startswith("switched to tiny v8")
 
 
-def test_demo_settings_carry_an_admin_key(service_bundle, monkeypatch) -> None:
+def test_demo_settings_carry_an_admin_key_and_a_quiet_log(service_bundle, monkeypatch) -> None:
     monkeypatch.delenv("LAPGUARD_ADMIN_KEY", raising=False)
     monkeypatch.delenv("LAPGUARD_API_KEY", raising=False)
     one, two = demo_settings(service_bundle, 8123), demo_settings(service_bundle, 8123)
@@ -166,6 +166,10 @@ def test_demo_settings_carry_an_admin_key(service_bundle, monkeypatch) -> None:
     kept = demo_settings(service_bundle, 8123, progress_file=Path("p.json"))
     assert kept.admin_key is not None and kept.admin_key.get_secret_value() == "mine"
     assert kept.progress_file == Path("p.json")
+    monkeypatch.delenv("LAPGUARD_LOG_LEVEL", raising=False)
+    assert demo_settings(service_bundle, 8123).log_level == "warning"  # the page's polls stay quiet
+    monkeypatch.setenv("LAPGUARD_LOG_LEVEL", "debug")
+    assert demo_settings(service_bundle, 8123).log_level == "debug"
 
 
 def test_a_failed_background_run_keeps_the_served_bundle(served, tmp_path) -> None:

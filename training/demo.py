@@ -8,6 +8,7 @@ the bundle passes and an adversarial one it flags, as PNGs in ``RUN/demo``.
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
@@ -141,13 +142,16 @@ def is_finished(run: Path) -> bool:
 
 
 def demo_settings(bundle: Path, port: int, progress_file: Path | None = None) -> Settings:
-    """Server settings for the demo: loopback, ``LAPGUARD_*`` from the environment, and an admin
-    key so the demo can reload the server (a random one unless an admin or API key is set)."""
+    """Server settings for the demo: loopback, ``LAPGUARD_*`` from the environment, an admin key
+    so the demo can reload the server (a random one unless an admin or API key is set), and the
+    log at warning unless ``LAPGUARD_LOG_LEVEL`` says otherwise."""
     settings = load_settings(
         bundle=bundle, host="127.0.0.1", port=port, progress_file=progress_file
     )
     if settings.admin_key is None and settings.api_key is None:
         settings = settings.model_copy(update={"admin_key": SecretStr(secrets.token_urlsafe(24))})
+    if "LAPGUARD_LOG_LEVEL" not in os.environ:  # the page polls: one access line each would
+        settings = settings.model_copy(update={"log_level": "warning"})  # bury the demo's lines
     return settings
 
 
