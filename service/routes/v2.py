@@ -28,10 +28,12 @@ from service.inference_protocol import (
     parse_request,
     response_body,
 )
+from service.openapi import component_ref
 from service.routes.inference import inference_route
 from service.runtime import Runtime
 from service.schemas import (
     ERROR_RESPONSES,
+    InferenceRequest,
     InferenceResponse,
     LiveResponse,
     ModelMetadata,
@@ -139,7 +141,7 @@ _INFER_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/InferenceRequest"}},
+            "application/json": {"schema": component_ref(InferenceRequest)},
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"},
                 "description": f"binary tensor extension: JSON header ({HEADER_LENGTH} bytes) + tensor data",
