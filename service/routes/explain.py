@@ -17,7 +17,6 @@ from service.errors import NotFoundError
 from service.routes.inference import inference_route
 from service.routes.predict import IMAGES_BODY, predictions, score_request
 from service.schemas import (
-    ERROR_RESPONSES,
     ActivityResponse,
     BlockBand,
     ExplainedPrediction,
@@ -26,6 +25,7 @@ from service.schemas import (
     GalleryResponse,
     GallerySample,
     ModelRef,
+    error_responses,
 )
 
 router = APIRouter(tags=["explain"])
@@ -78,7 +78,7 @@ def _explanation(result: GuardResult, row: int, band: CleanBand | None) -> Expla
     "/v1/gallery",
     response_model=GalleryResponse,
     summary="the bundle's sample images (clean, adversarial, out-of-distribution) to try",
-    responses=ERROR_RESPONSES,
+    responses=error_responses(401, 503),
     dependencies=_KEY,
 )
 async def gallery(runtime: RuntimeDep) -> GalleryResponse:
@@ -95,7 +95,7 @@ async def gallery(runtime: RuntimeDep) -> GalleryResponse:
     "/v1/gallery/{index}.png",
     response_class=Response,
     summary="one gallery sample as a PNG (8-bit, as a client would send it)",
-    responses={200: {"content": {"image/png": {}}}, **ERROR_RESPONSES},
+    responses={200: {"content": {"image/png": {}}}, **error_responses(401, 404, 422, 503)},
     dependencies=_KEY,
 )
 async def gallery_image(runtime: RuntimeDep, index: int = Path(ge=0)) -> Response:
@@ -119,7 +119,7 @@ def _gallery(guard: Guard) -> Gallery:
     "/v1/stats",
     response_model=ActivityResponse,
     summary="recent activity: request and flag rates, score histogram (the page's live panel)",
-    responses=ERROR_RESPONSES,
+    responses=error_responses(401, 422),
     dependencies=_KEY,
 )
 async def stats(
