@@ -1,14 +1,23 @@
-"""The live server's OpenAPI document describes every route and every answer, as schemathesis
-checks them."""
+"""Schemathesis against the live server's ``/openapi.json``: seeded, bounded cases for every
+documented operation, with and without the API key, fitting the schema and not. Every answer must
+be a documented status with a documented content type, headers and body, never a 5xx, and the
+server must keep answering. The hostile requests a schema cannot express are in
+test_service_hostile.py."""
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from typing import Any
 
 import httpx
 import pytest
 import schemathesis
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
+from schemathesis.errors import FailureGroup
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_headers_conformance,
@@ -28,12 +37,76 @@ CHECKS = [
     response_headers_conformance,
     response_schema_conformance,
 ]
+#: (name, generation mode, headers, served model in the path, cases per operation at most): the
+#: API key sent with requests that fit the schema and with requests that do not, both naming the
+#: served model where a path names one (or /v2 would answer 404 before reading the body), and a
+#: few requests without the key or the model's name. Operations without parameters or body have
+#: a single case; the rest make the total over MIN_CASES.
+VARIANTS = [
+    ("keyed", GenerationMode.POSITIVE, KEYED, True, 100),
+    ("keyed-negative", GenerationMode.NEGATIVE, KEYED, True, 100),
+    ("anonymous", GenerationMode.POSITIVE, {}, False, 20),
+]
+MIN_CASES = 1000
+SEED = 15
 
 
 @pytest.fixture(scope="module")
 def api_schema(server: LiveServer) -> schemathesis.BaseSchema:
     """The live server's OpenAPI document, as schemathesis reads it."""
     return schemathesis.openapi.from_url(server.url + "/openapi.json")
+
+
+@pytest.mark.slow
+def test_every_operation_answers_as_documented(
+    server: LiveServer, api_schema: schemathesis.BaseSchema
+) -> None:
+    """At least MIN_CASES generated requests over every operation, and not one failed check."""
+    cases: Counter[str] = Counter()
+    failures: list[str] = []
+    served = {"name": server.runtime.model_name, "version": server.runtime.model_version}
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    for operation in operations:
+        for name, mode, headers, pin, examples in VARIANTS:
+            label = f"{operation.label} [{name}]"
+            path = {k: v for k, v in served.items() if pin and f"{{{k}}}" in operation.path}
+            strategy = operation.as_strategy(generation_mode=mode, path_parameters=path or None)
+            try:
+                cases[label] = _fuzz(strategy, headers, examples)
+            except (FailureGroup, Exception) as error:  # one report for every operation
+                failures.append(f"{label}: {error}")
+            assert _alive(server), f"the server stopped answering after {label}"
+    assert not failures, "\n\n".join(failures)
+    assert {"GET /v2", "POST /v2/models/{name}/infer"} <= {op.label for op in operations}
+    assert sum(cases.values()) >= MIN_CASES, cases
+
+
+def _fuzz(strategy: Any, headers: dict[str, str], examples: int) -> int:
+    """Up to ``examples`` seeded requests drawn from ``strategy``, each sent and checked; how
+    many were sent."""
+    sent = 0
+
+    @seed(SEED)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],  # no shrinking: report the first failure
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=strategy)
+    def run(case: schemathesis.Case) -> None:
+        nonlocal sent
+        sent += 1
+        case.call_and_validate(headers=headers, checks=CHECKS, timeout=30)
+
+    with contextlib.suppress(Unsatisfiable):  # nothing to negate: no parameters, or only strings
+        run()
+    return sent
+
+
+def _alive(server: LiveServer) -> bool:
+    return httpx.get(server.url + "/healthz", timeout=10).status_code == 200
 
 
 def test_every_reference_in_the_openapi_document_resolves(server: LiveServer) -> None:
