@@ -1,8 +1,9 @@
 """Schemathesis against the live server's ``/openapi.json``: seeded, bounded cases for every
 documented operation, with and without the API key, fitting the schema and not. Every answer must
 be a documented status with a documented content type, headers and body, never a 5xx, and the
-server must keep answering. The hostile requests a schema cannot express are in
-test_service_hostile.py."""
+server must keep answering. The hostile requests a schema cannot express (decompression bombs,
+truncated images, thousands of parts, oversized or chunked bodies, API key variants) are in
+test_service_errors.py and test_service_auth.py."""
 
 from __future__ import annotations
 
