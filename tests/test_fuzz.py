@@ -21,6 +21,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.errors import FailureGroup
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    ignored_auth,
     response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
@@ -30,9 +31,11 @@ from tests.live_server import LiveServer
 from tests.service_helpers import API_KEY
 
 KEYED = {"X-API-Key": API_KEY}
-#: What every answer is checked for: no 5xx; status, content type, headers and body documented.
+#: What every answer is checked for: no 5xx; status, content type, headers and body documented;
+#: a route documented behind the key refuses a request without it or with a wrong one.
 CHECKS = [
     not_a_server_error,
+    ignored_auth,
     status_code_conformance,
     content_type_conformance,
     response_headers_conformance,
@@ -110,14 +113,29 @@ def _alive(server: LiveServer) -> bool:
     return httpx.get(server.url + "/healthz", timeout=10).status_code == 200
 
 
-def test_every_reference_in_the_openapi_document_resolves(server: LiveServer) -> None:
+@pytest.fixture(scope="module")
+def document(server: LiveServer) -> dict[str, Any]:
+    """The live server's OpenAPI document, as JSON."""
+    return httpx.get(server.url + "/openapi.json", timeout=10).json()
+
+
+def test_every_reference_in_the_openapi_document_resolves(document: dict[str, Any]) -> None:
     """The request bodies the routes parse themselves are documented too (the /v2 infer JSON
     body named a schema the document did not hold)."""
-    document = httpx.get(server.url + "/openapi.json", timeout=10).json()
     schemas = document["components"]["schemas"]
     refs = set(_refs(document))
     assert {"#/components/schemas/InferenceRequest", "#/components/schemas/PredictRequest"} <= refs
     assert {ref.removeprefix("#/components/schemas/") for ref in refs} <= set(schemas), refs
+
+
+def test_the_routes_behind_the_key_say_how_to_send_it(document: dict[str, Any]) -> None:
+    """Every route that may answer 401 lists the two ways to present the key, and only those."""
+    assert set(document["components"]["securitySchemes"]) == {"ApiKey", "Bearer"}
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            keyed = "401" in operation["responses"]
+            security = operation.get("security")
+            assert (security == [{"ApiKey": []}, {"Bearer": []}]) == keyed, (method, path, security)
 
 
 def _refs(node: Any) -> Any:

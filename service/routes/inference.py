@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
-from service.deps import require_api_key
+from service.deps import API_KEY_REQUIRED
 from service.schemas import ERROR_RESPONSES
 
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
@@ -33,7 +33,7 @@ def inference_route(
                 methods=["POST"],
                 response_model=response_model,
                 responses=responses,
-                dependencies=[Depends(require_api_key)],
+                dependencies=API_KEY_REQUIRED,
                 openapi_extra=openapi_extra,
                 summary=summary,
             )
