@@ -17,6 +17,7 @@ from fastapi import FastAPI
 import detector
 from service.errors import install_error_handlers
 from service.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from service.openapi import install_openapi
 from service.routes import admin, explain, health, page, predict, v2
 from service.runtime import Runtime
 from service.settings import Settings, load_settings
@@ -47,6 +48,7 @@ def create_app(settings: Settings | None = None, guard: Guard | None = None) -> 
     )
     app.state.runtime = runtime
     install_error_handlers(app)
+    install_openapi(app)
     # Added innermost first: the request context (ids, log, metrics) wraps the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestContextMiddleware, metrics=runtime.metrics)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hmac
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.params import Depends as Dependency
+from fastapi.security import APIKeyHeader, HTTPBearer
 from pydantic import SecretStr
 
 from service.errors import ForbiddenError, UnauthorizedError
@@ -19,6 +21,21 @@ def get_runtime(request: Request) -> Runtime:
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+_WHICH_KEY = (
+    "LAPGUARD_API_KEY (admin routes: LAPGUARD_ADMIN_KEY when set); "
+    "needed only when the server is configured with one"
+)
+#: The two ways to present a key, as the OpenAPI document's security schemes (either will do).
+#: They only document: they never refuse, ``_check_key`` does.
+_KEY_SCHEMES = [
+    Security(
+        APIKeyHeader(
+            name="X-API-Key", scheme_name="ApiKey", description=_WHICH_KEY, auto_error=False
+        )
+    ),
+    Security(HTTPBearer(scheme_name="Bearer", description=_WHICH_KEY, auto_error=False)),
+]
 
 
 def _presented_key(request: Request) -> str | None:
@@ -56,6 +73,11 @@ def require_admin_key(request: Request, runtime: RuntimeDep) -> None:
             "or send the server SIGHUP to reload its bundle"
         )
     _check_key(request, expected, "admin key" if settings.admin_key else "API key")
+
+
+#: ``dependencies=`` of the routes behind the API key, and of the admin routes.
+API_KEY_REQUIRED: list[Dependency] = [*_KEY_SCHEMES, Depends(require_api_key)]
+ADMIN_KEY_REQUIRED: list[Dependency] = [*_KEY_SCHEMES, Depends(require_admin_key)]
 
 
 def _check_key(request: Request, expected: SecretStr, name: str) -> None:

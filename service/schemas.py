@@ -20,20 +20,38 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-#: OpenAPI ``responses=`` for the error answers of the inference routes.
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse, "description": text}
-    for code, text in {
-        400: "an image cannot be decoded or used",
-        401: "missing or wrong API key (when one is configured)",
-        413: "body, image or image count over the limit",
-        415: "unsupported content type or image format",
-        422: "the body does not match the schema",
-        403: "refused for a cool-down after a query-based attack (query_attack_action=403)",
-        429: "the queue is full, or a cool-down after a query-based attack (query_attack_action=429); retry after Retry-After seconds",
-        503: "not ready or shutting down; retry after Retry-After seconds",
-    }.items()
+class V2ErrorResponse(BaseModel):
+    """An error under ``/v2``: the Open Inference Protocol's shape, which stock clients read."""
+
+    error: str = Field(description="what went wrong and what to do")
+    code: str = Field(description="lapguard's machine-readable error code, as in ErrorDetail")
+
+
+#: What each error status means, as the OpenAPI document says it.
+ERROR_MEANINGS: dict[int, str] = {
+    400: "an image cannot be decoded or used",
+    401: "missing or wrong API key (when one is configured)",
+    403: "refused for a cool-down after a query-based attack (query_attack_action=403)",
+    404: "the request names something this server does not have",
+    413: "body, image or image count over the limit",
+    415: "unsupported content type or image format",
+    422: "the request does not match the schema",
+    429: "the queue is full, or a cool-down after a query-based attack (query_attack_action=429); retry after Retry-After seconds",
+    503: "not ready or shutting down; retry after Retry-After seconds",
 }
+
+
+def error_responses(
+    *statuses: int, model: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` documenting the error ``statuses`` of a route, with body ``model``
+    (``V2ErrorResponse`` under /v2). Every status a route can answer must be listed."""
+    return {status: {"model": model, "description": ERROR_MEANINGS[status]} for status in statuses}
+
+
+#: The error answers of the inference routes (POST /v1/predict, /v1/explain).
+INFERENCE_ERRORS = (400, 401, 403, 413, 415, 422, 429, 503)
+ERROR_RESPONSES = error_responses(*INFERENCE_ERRORS)
 
 
 # ---- v1 --------------------------------------------------------------------------------------
@@ -161,6 +179,7 @@ class ReloadResponse(BaseModel):
 ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in {
+        400: "the body cannot be parsed (e.g. not UTF-8)",
         401: "missing or wrong admin key (LAPGUARD_ADMIN_KEY, else LAPGUARD_API_KEY)",
         403: "admin calls are off: no admin or API key is configured",
         422: "the bundle is refused (missing, tampered, another input spec, fails a forward pass); the previous bundle keeps serving",

@@ -3,6 +3,7 @@ reference answers of the in-process Guard, and readers of the two error shapes."
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import shutil
@@ -78,6 +79,31 @@ def v2_request(shape: list[int], values: int) -> dict:
             ]
         }
     }
+
+
+#: The routes that score encoded images, and the model the conftest server serves.
+INFERENCE_PATHS = ("/v1/predict", "/v1/explain", "/v2/models/tiny/infer")
+
+
+def upload(path: str, blobs: list[bytes]) -> dict:
+    """httpx keyword arguments sending encoded images to ``path``: multipart ``files`` under
+    /v1, a BYTES input of base64 strings under /v2."""
+    if not path.startswith("/v2"):
+        return {
+            "files": [("files", (f"{i}.png", blob, "image/png")) for i, blob in enumerate(blobs)]
+        }
+    data = [base64.b64encode(blob).decode() for blob in blobs]
+    tensor = {"name": "image", "shape": [len(blobs)], "datatype": "BYTES", "data": data}
+    return {"json": {"inputs": [tensor]}}
+
+
+def many_parts(count: int, *, files: bool) -> dict:
+    """httpx keyword arguments of a multipart body of ``count`` empty parts, files or text
+    fields, ~70 bytes each: thousands fit under the conftest server's body limit."""
+    disposition = 'name="files"; filename="a.png"' if files else 'name="field"'
+    part = f"--b\r\nContent-Disposition: form-data; {disposition}\r\n\r\n\r\n".encode()
+    headers = {"Content-Type": "multipart/form-data; boundary=b"}
+    return {"content": part * count + b"--b--\r\n", "headers": headers}
 
 
 # ---- the tiny real bundle -----------------------------------------------------------------------

@@ -6,20 +6,21 @@ from __future__ import annotations
 import pytest
 
 from tests.service_helpers import (
+    INFERENCE_PATHS,
     decompression_bomb,
     error_code,
     error_message,
     ico_image,
+    many_parts,
+    upload,
     v2_request,
 )
 
+V1_PATHS = INFERENCE_PATHS[:2]
+V2_INFER = INFERENCE_PATHS[2]
+JSON = {"Content-Type": "application/json"}
+
 ERROR_CASES = {
-    "corrupt image": (
-        "/v1/predict",
-        lambda im: {"files": {"files": ("a.png", im[0][:80], "image/png")}},
-        400,
-        "invalid_input",
-    ),
     "not an image": (
         "/v1/predict",
         lambda im: {"files": {"files": ("a.bin", b"hello world", "application/octet-stream")}},
@@ -44,12 +45,6 @@ ERROR_CASES = {
         415,
         "unsupported_media_type",
     ),
-    "body type": (
-        "/v1/predict",
-        lambda im: {"content": b"abc", "headers": {"Content-Type": "text/plain"}},
-        415,
-        "unsupported_media_type",
-    ),
     "too many images": (
         "/v1/predict",
         lambda im: {"files": [("files", ("a.png", im[0], "image/png"))] * 9},
@@ -59,27 +54,6 @@ ERROR_CASES = {
     "too many instances": (
         "/v1/predict",
         lambda im: {"json": {"instances": [{"b64": "AA=="}] * 9}},
-        413,
-        "payload_too_large",
-    ),
-    "body too large": (
-        "/v1/predict",
-        lambda im: {"content": b"x" * 250_000, "headers": {"Content-Type": "application/json"}},
-        413,
-        "payload_too_large",
-    ),
-    "chunked body too large": (
-        "/v1/predict",
-        lambda im: {
-            "content": iter([b"x" * 60_000] * 5),
-            "headers": {"Content-Type": "application/json"},
-        },
-        413,
-        "payload_too_large",
-    ),
-    "decompression bomb": (
-        "/v1/predict",
-        lambda im: {"files": {"files": ("bomb.png", decompression_bomb(), "image/png")}},
         413,
         "payload_too_large",
     ),
@@ -138,6 +112,80 @@ ERROR_CASES = {
         "model_not_found",
     ),
 }
+
+#: Hostile requests a schema cannot express, sent to each route in ``paths``: name: (request to
+#: a path, status, code, paths).
+HOSTILE = {
+    "decompression bomb": (
+        lambda path, im: upload(path, [decompression_bomb()]),
+        413,
+        "payload_too_large",
+        INFERENCE_PATHS,
+    ),
+    "truncated png": (
+        lambda path, im: upload(path, [im[0][: len(im[0]) // 2]]),
+        400,
+        "invalid_input",
+        INFERENCE_PATHS,
+    ),
+    "0-byte file": (lambda path, im: upload(path, [b""]), 400, "invalid_input", INFERENCE_PATHS),
+    "0-byte body": (
+        lambda path, im: {"content": b"", "headers": JSON},
+        422,
+        "validation_error",
+        INFERENCE_PATHS,
+    ),
+    "body too large": (
+        lambda path, im: {"content": b"x" * 250_000, "headers": JSON},
+        413,
+        "payload_too_large",
+        INFERENCE_PATHS,
+    ),
+    "chunked body too large": (  # no Content-Length: refused while the body streams in
+        lambda path, im: {"content": iter([b"x" * 60_000] * 5), "headers": JSON},
+        413,
+        "payload_too_large",
+        INFERENCE_PATHS,
+    ),
+    "body type": (
+        lambda path, im: {"content": im[0], "headers": {"Content-Type": "image/png"}},
+        415,
+        "unsupported_media_type",
+        V1_PATHS,
+    ),
+    "thousands of file parts": (
+        lambda path, im: many_parts(2000, files=True),
+        413,
+        "payload_too_large",
+        V1_PATHS,
+    ),
+    "thousands of text fields": (
+        lambda path, im: many_parts(3000, files=False),
+        400,
+        "invalid_input",
+        V1_PATHS,
+    ),
+    # v2 reads its body as JSON (or the binary extension) whatever its declared type
+    "image as the body": (
+        lambda path, im: {"content": im[0], "headers": {"Content-Type": "image/png"}},
+        422,
+        "validation_error",
+        (V2_INFER,),
+    ),
+    "thousands of tensor images": (
+        lambda path, im: upload(path, [b""] * 5000),
+        413,
+        "payload_too_large",
+        (V2_INFER,),
+    ),
+}
+ERROR_CASES.update(
+    {
+        f"{name} {path}": (path, lambda im, make=make, path=path: make(path, im), status, code)
+        for name, (make, status, code, paths) in HOSTILE.items()
+        for path in paths
+    }
+)
 
 
 @pytest.mark.parametrize("case", list(ERROR_CASES))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
-from service.deps import RuntimeDep, require_admin_key
+from service.deps import ADMIN_KEY_REQUIRED, RuntimeDep
 from service.reload import ServedBundle
 from service.schemas import ADMIN_RESPONSES, BundleRef, ReloadRequest, ReloadResponse
 
@@ -19,7 +19,7 @@ router = APIRouter(tags=["admin"])
     "/v1/admin/reload",
     response_model=ReloadResponse,
     responses=ADMIN_RESPONSES,
-    dependencies=[Depends(require_admin_key)],
+    dependencies=ADMIN_KEY_REQUIRED,
     summary="hot-reload the bundle: verify, load and warm up, then swap; in-flight requests finish on the old one",
 )
 async def reload_bundle(runtime: RuntimeDep, body: ReloadRequest | None = None) -> ReloadResponse:

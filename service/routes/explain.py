@@ -7,17 +7,16 @@ from __future__ import annotations
 import io
 
 import numpy as np
-from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from PIL import Image
 
 from detector.explain import CleanBand, Gallery
 from detector.guard import Guard, GuardResult
-from service.deps import RuntimeDep, require_api_key
+from service.deps import API_KEY_REQUIRED, RuntimeDep
 from service.errors import NotFoundError
 from service.routes.inference import inference_route
 from service.routes.predict import IMAGES_BODY, predictions, score_request
 from service.schemas import (
-    ERROR_RESPONSES,
     ActivityResponse,
     BlockBand,
     ExplainedPrediction,
@@ -26,10 +25,10 @@ from service.schemas import (
     GalleryResponse,
     GallerySample,
     ModelRef,
+    error_responses,
 )
 
 router = APIRouter(tags=["explain"])
-_KEY = [Depends(require_api_key)]
 
 
 @inference_route(
@@ -78,8 +77,8 @@ def _explanation(result: GuardResult, row: int, band: CleanBand | None) -> Expla
     "/v1/gallery",
     response_model=GalleryResponse,
     summary="the bundle's sample images (clean, adversarial, out-of-distribution) to try",
-    responses=ERROR_RESPONSES,
-    dependencies=_KEY,
+    responses=error_responses(401, 503),
+    dependencies=API_KEY_REQUIRED,
 )
 async def gallery(runtime: RuntimeDep) -> GalleryResponse:
     samples = _gallery(runtime.require_guard())
@@ -95,8 +94,8 @@ async def gallery(runtime: RuntimeDep) -> GalleryResponse:
     "/v1/gallery/{index}.png",
     response_class=Response,
     summary="one gallery sample as a PNG (8-bit, as a client would send it)",
-    responses={200: {"content": {"image/png": {}}}, **ERROR_RESPONSES},
-    dependencies=_KEY,
+    responses={200: {"content": {"image/png": {}}}, **error_responses(401, 404, 422, 503)},
+    dependencies=API_KEY_REQUIRED,
 )
 async def gallery_image(runtime: RuntimeDep, index: int = Path(ge=0)) -> Response:
     samples = _gallery(runtime.require_guard())
@@ -119,8 +118,8 @@ def _gallery(guard: Guard) -> Gallery:
     "/v1/stats",
     response_model=ActivityResponse,
     summary="recent activity: request and flag rates, score histogram (the page's live panel)",
-    responses=ERROR_RESPONSES,
-    dependencies=_KEY,
+    responses=error_responses(401, 422),
+    dependencies=API_KEY_REQUIRED,
 )
 async def stats(
     runtime: RuntimeDep,

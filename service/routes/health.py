@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from service.deps import RuntimeDep
-from service.schemas import BuildProgress, ErrorResponse, Health, ModelSummary
+from service.schemas import BuildProgress, ErrorResponse, Health, ModelSummary, error_responses
 
 router = APIRouter(tags=["operations"])
 
@@ -33,7 +33,10 @@ async def readyz(runtime: RuntimeDep) -> Health:
 
 
 @router.get(
-    "/v1/model", response_model=ModelSummary, summary="what is served (from the bundle manifest)"
+    "/v1/model",
+    response_model=ModelSummary,
+    summary="what is served (from the bundle manifest)",
+    responses=error_responses(503),
 )
 async def model_summary(runtime: RuntimeDep) -> ModelSummary:
     guard = runtime.require_guard()

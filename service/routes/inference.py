@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
-from service.deps import require_api_key
+from service.deps import API_KEY_REQUIRED
 from service.schemas import ERROR_RESPONSES
 
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
@@ -19,9 +19,11 @@ def inference_route(
     response_model: Any,
     openapi_extra: dict[str, Any],
     summary: str | None = None,
+    responses: dict[int | str, dict[str, Any]] = ERROR_RESPONSES,
 ) -> Callable[[Endpoint], Endpoint]:
     """A decorator registering its endpoint on ``router`` as ``POST`` on each of ``paths``, in
-    order, behind the API key, with ``ERROR_RESPONSES`` in the OpenAPI document."""
+    order, behind the API key, with its error answers (``responses``, by default
+    ``ERROR_RESPONSES``) in the OpenAPI document."""
 
     def register(endpoint: Endpoint) -> Endpoint:
         for path in paths:
@@ -30,8 +32,8 @@ def inference_route(
                 endpoint,
                 methods=["POST"],
                 response_model=response_model,
-                responses=ERROR_RESPONSES,
-                dependencies=[Depends(require_api_key)],
+                responses=responses,
+                dependencies=API_KEY_REQUIRED,
                 openapi_extra=openapi_extra,
                 summary=summary,
             )

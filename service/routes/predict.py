@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from detector.errors import InputError, InputTooLargeError, UnsupportedMediaError
 from detector.guard import GuardResult
 from service.deps import RuntimeDep, client_of
+from service.openapi import component_ref
 from service.routes.inference import inference_route
 from service.runtime import Runtime
 from service.schemas import ModelRef, Prediction, PredictRequest, PredictResponse
@@ -34,7 +35,7 @@ IMAGES_BODY = {
                     },
                 }
             },
-            "application/json": {"schema": PredictRequest.model_json_schema()},
+            "application/json": {"schema": component_ref(PredictRequest)},
         },
     }
 }

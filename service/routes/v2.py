@@ -20,6 +20,7 @@ from detector.errors import InputError, UnsupportedMediaError
 from service.deps import RuntimeDep, client_of
 from service.errors import ModelNotFoundError
 from service.inference_protocol import (
+    BINARY_MEDIA_TYPE,
     HEADER_LENGTH,
     OutputTensor,
     decode_bytes,
@@ -28,20 +29,38 @@ from service.inference_protocol import (
     parse_request,
     response_body,
 )
+from service.openapi import component_ref
 from service.routes.inference import inference_route
 from service.runtime import Runtime
 from service.schemas import (
-    ERROR_RESPONSES,
+    INFERENCE_ERRORS,
+    InferenceRequest,
     InferenceResponse,
     LiveResponse,
     ModelMetadata,
     ReadyResponse,
     ServerMetadata,
     TensorMetadata,
+    V2ErrorResponse,
+    error_responses,
 )
 
 # Full paths (no router prefix), so a route's own path is its template for metrics and logs.
 router = APIRouter(tags=["v2 (Open Inference Protocol)"])
+
+# The error answers of each kind of route, in the protocol's error shape.
+_READY_ERRORS = error_responses(503, model=V2ErrorResponse)
+_MODEL_ERRORS = error_responses(404, 422, model=V2ErrorResponse)
+_MODEL_READY_ERRORS = error_responses(404, 422, 503, model=V2ErrorResponse)
+_INFER_ERRORS = error_responses(*INFERENCE_ERRORS, 404, model=V2ErrorResponse)
+#: A body in the binary tensor extension (requests, and answers with outputs asked in binary).
+_BINARY_TENSORS = {
+    "schema": {
+        "type": "string",
+        "format": "binary",
+        "description": f"binary tensor extension: JSON header ({HEADER_LENGTH} bytes) + tensor data",
+    }
+}
 
 
 def _check_model(runtime: Runtime, name: str, version: str | None) -> None:
@@ -67,17 +86,23 @@ async def live() -> LiveResponse:
     return LiveResponse(live=True)
 
 
-@router.get("/v2/health/ready", response_model=ReadyResponse, responses={503: ERROR_RESPONSES[503]})
+@router.get("/v2/health/ready", response_model=ReadyResponse, responses=_READY_ERRORS)
 async def ready(runtime: RuntimeDep) -> ReadyResponse:
     runtime.check_ready()
     return ReadyResponse(ready=True)
 
 
-@router.get("/v2/models/{name}", response_model=ModelMetadata, response_model_exclude_none=True)
+@router.get(
+    "/v2/models/{name}",
+    response_model=ModelMetadata,
+    response_model_exclude_none=True,
+    responses=_MODEL_ERRORS,
+)
 @router.get(
     "/v2/models/{name}/versions/{version}",
     response_model=ModelMetadata,
     response_model_exclude_none=True,
+    responses=_MODEL_ERRORS,
 )
 async def model_metadata(
     runtime: RuntimeDep, name: str, version: str | None = None
@@ -121,13 +146,11 @@ async def model_metadata(
     )
 
 
-@router.get(
-    "/v2/models/{name}/ready", response_model=ReadyResponse, responses={503: ERROR_RESPONSES[503]}
-)
+@router.get("/v2/models/{name}/ready", response_model=ReadyResponse, responses=_MODEL_READY_ERRORS)
 @router.get(
     "/v2/models/{name}/versions/{version}/ready",
     response_model=ReadyResponse,
-    responses={503: ERROR_RESPONSES[503]},
+    responses=_MODEL_READY_ERRORS,
 )
 async def model_ready(runtime: RuntimeDep, name: str, version: str | None = None) -> ReadyResponse:
     _check_model(runtime, name, version)
@@ -139,11 +162,8 @@ _INFER_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/InferenceRequest"}},
-            "application/octet-stream": {
-                "schema": {"type": "string", "format": "binary"},
-                "description": f"binary tensor extension: JSON header ({HEADER_LENGTH} bytes) + tensor data",
-            },
+            "application/json": {"schema": component_ref(InferenceRequest)},
+            BINARY_MEDIA_TYPE: _BINARY_TENSORS,
         },
     }
 }
@@ -155,6 +175,7 @@ _INFER_BODY = {
     "/v2/models/{name}/infer",
     response_model=InferenceResponse,
     openapi_extra=_INFER_BODY,
+    responses={200: {"content": {BINARY_MEDIA_TYPE: _BINARY_TENSORS}}, **_INFER_ERRORS},
 )
 async def infer(
     request: Request, runtime: RuntimeDep, name: str, version: str | None = None

@@ -1,0 +1,222 @@
+"""Schemathesis against the live server's ``/openapi.json``: seeded, bounded cases for every
+documented operation, with and without the API key, fitting the schema and not. Every answer must
+be a documented status with a documented content type, headers and body, never a 5xx, and the
+server must keep answering. The hostile requests a schema cannot express (decompression bombs,
+truncated images, thousands of parts, oversized or chunked bodies, API key variants) are in
+test_service_errors.py and test_service_auth.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.errors import FailureGroup
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    ignored_auth,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.live_server import LiveServer
+from tests.service_helpers import API_KEY
+
+KEYED = {"X-API-Key": API_KEY}
+#: What every answer is checked for: no 5xx; status, content type, headers and body documented;
+#: a route documented behind the key refuses a request without it or with a wrong one.
+CHECKS = [
+    not_a_server_error,
+    ignored_auth,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
+#: (name, generation mode, headers, served model in the path, cases per operation at most): the
+#: API key sent with requests that fit the schema and with requests that do not, both naming the
+#: served model where a path names one (or /v2 would answer 404 before reading the body), and a
+#: few requests without the key or the model's name. Operations without parameters or body have
+#: a single case; the rest make the total over MIN_CASES.
+VARIANTS = [
+    ("keyed", GenerationMode.POSITIVE, KEYED, True, 100),
+    ("keyed-negative", GenerationMode.NEGATIVE, KEYED, True, 100),
+    ("anonymous", GenerationMode.POSITIVE, {}, False, 20),
+]
+MIN_CASES = 1000
+SEED = 15
+
+
+@pytest.fixture(scope="module")
+def api_schema(server: LiveServer) -> schemathesis.BaseSchema:
+    """The live server's OpenAPI document, as schemathesis reads it."""
+    return schemathesis.openapi.from_url(server.url + "/openapi.json")
+
+
+@pytest.mark.slow
+def test_every_operation_answers_as_documented(
+    server: LiveServer, api_schema: schemathesis.BaseSchema
+) -> None:
+    """At least MIN_CASES generated requests over every operation, and not one failed check."""
+    cases: Counter[str] = Counter()
+    failures: list[str] = []
+    served = {"name": server.runtime.model_name, "version": server.runtime.model_version}
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    for operation in operations:
+        for name, mode, headers, pin, examples in VARIANTS:
+            label = f"{operation.label} [{name}]"
+            path = {k: v for k, v in served.items() if pin and f"{{{k}}}" in operation.path}
+            strategy = operation.as_strategy(generation_mode=mode, path_parameters=path or None)
+            try:
+                cases[label] = _fuzz(strategy, headers, examples, negative=mode.is_negative)
+            except (FailureGroup, Exception) as error:  # one report for every operation
+                failures.append(f"{label}: {error}")
+            assert _alive(server), f"the server stopped answering after {label}"
+    assert not failures, "\n\n".join(failures)
+    assert {"GET /v2", "POST /v2/models/{name}/infer"} <= {op.label for op in operations}
+    assert sum(cases.values()) >= MIN_CASES, cases
+
+
+def _fuzz(strategy: Any, headers: dict[str, str], examples: int, *, negative: bool) -> int:
+    """Up to ``examples`` seeded requests drawn from ``strategy``, each sent and checked; how
+    many were sent. A ``negative`` strategy may have nothing to negate (no parameters, or only
+    free-form strings): none sent."""
+    sent = 0
+
+    @seed(SEED)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],  # no shrinking: report the first failure
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=strategy)
+    def run(case: schemathesis.Case) -> None:
+        nonlocal sent
+        sent += 1
+        case.call_and_validate(headers=headers, checks=CHECKS, timeout=30)
+
+    try:
+        run()
+    except Unsatisfiable:
+        if not negative:
+            raise
+    return sent
+
+
+def _alive(server: LiveServer) -> bool:
+    return httpx.get(server.url + "/healthz", timeout=10).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def document(server: LiveServer) -> dict[str, Any]:
+    """The live server's OpenAPI document, as JSON."""
+    return httpx.get(server.url + "/openapi.json", timeout=10).json()
+
+
+def test_every_reference_in_the_openapi_document_resolves(document: dict[str, Any]) -> None:
+    """The request bodies the routes parse themselves are documented too (the /v2 infer JSON
+    body named a schema the document did not hold)."""
+    schemas = document["components"]["schemas"]
+    refs = set(_refs(document))
+    assert {"#/components/schemas/InferenceRequest", "#/components/schemas/PredictRequest"} <= refs
+    assert {ref.removeprefix("#/components/schemas/") for ref in refs} <= set(schemas), refs
+
+
+def test_the_routes_behind_the_key_say_how_to_send_it(document: dict[str, Any]) -> None:
+    """Every route that may answer 401 lists the two ways to present the key, and only those."""
+    assert set(document["components"]["securitySchemes"]) == {"ApiKey", "Bearer"}
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            keyed = "401" in operation["responses"]
+            security = operation.get("security")
+            assert (security == [{"ApiKey": []}, {"Bearer": []}]) == keyed, (method, path, security)
+
+
+def _refs(node: Any) -> Any:
+    if isinstance(node, dict):
+        if isinstance(node.get("$ref"), str):
+            yield node["$ref"]
+        for value in node.values():
+            yield from _refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _refs(value)
+
+
+#: Answers that the OpenAPI document did not describe (a 404 left out, the /v2 error shape
+#: documented as v1's, v2 binary outputs): operation, request, status.
+UNDOCUMENTED_BEFORE = {
+    "unknown v2 model": ("GET /v2/models/{name}", {"path_parameters": {"name": "other"}}, 404),
+    "unknown v2 version": (
+        "GET /v2/models/{name}/versions/{version}/ready",
+        {"path_parameters": {"name": "tiny", "version": "0"}},
+        404,
+    ),
+    "infer on an unknown model": (
+        "POST /v2/models/{name}/infer",
+        {"path_parameters": {"name": "other"}, "body": {"inputs": []}},
+        404,
+    ),
+    "v2 error shape": (
+        "POST /v2/models/{name}/infer",
+        {
+            "path_parameters": {"name": "tiny"},
+            "body": {"inputs": [{"name": "x", "shape": [1], "datatype": "INT8", "data": [1]}]},
+        },
+        400,
+    ),
+    "v2 outputs in binary": (
+        "POST /v2/models/{name}/infer",
+        {
+            "path_parameters": {"name": "tiny"},
+            "body": {
+                "inputs": [
+                    {
+                        "name": "input",
+                        "shape": [1, 1, 28, 28],
+                        "datatype": "FP32",
+                        "data": [0.5] * 784,
+                    }
+                ],
+                "parameters": {"binary_data_output": True},
+            },
+        },
+        200,
+    ),
+    "gallery sample past the last": (
+        "GET /v1/gallery/{index}.png",
+        {"path_parameters": {"index": 99}},
+        404,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(UNDOCUMENTED_BEFORE))
+def test_error_answers_are_documented(api_schema: schemathesis.BaseSchema, name: str) -> None:
+    label, request, status = UNDOCUMENTED_BEFORE[name]
+    operation = api_schema.find_operation_by_label(label)
+    assert operation is not None, label
+    case = operation.Case(media_type="application/json" if "body" in request else None, **request)
+    response = case.call_and_validate(headers=KEYED, checks=CHECKS, timeout=30)
+    assert response.status_code == status, response.text
+
+
+def test_a_reload_body_that_is_not_utf8_is_a_documented_400(
+    server: LiveServer, api_schema: schemathesis.BaseSchema
+) -> None:
+    """FastAPI answers 400 (not 422) to a JSON body it cannot decode; the document says so."""
+    headers = {**KEYED, "Content-Type": "application/json"}
+    response = httpx.post(server.url + "/v1/admin/reload", content=b"\xff{", headers=headers)
+    assert response.status_code == 400, response.text
+    operation = api_schema.find_operation_by_label("POST /v1/admin/reload")
+    assert operation is not None
+    operation.Case(media_type="application/json").validate_response(response, checks=CHECKS)
