@@ -66,6 +66,21 @@ def test_progress_file_says_done_after_the_last_step_and_interrupted_on_ctrl_c(t
         raise KeyboardInterrupt
     assert _read(tmp_path / "b.json")["state"] == "failed"
     assert "interrupted" in _read(tmp_path / "b.json")["message"]
+    between = PipelineProgress(tmp_path / "c.json", preset="p", total=2)
+    with pytest.raises(KeyboardInterrupt), between.run():
+        with between.step("first"):
+            pass
+        raise KeyboardInterrupt  # after a step's last write, before the next step starts
+    assert _read(tmp_path / "c.json") | {"started": None, "updated": None} == {
+        "preset": "p",
+        "step": "first",
+        "done": 1,
+        "total": 2,
+        "state": "failed",
+        "started": None,
+        "updated": None,
+        "message": "interrupted; run the pipeline again to resume",
+    }
 
 
 def test_every_attack_set_is_a_step(tmp_path) -> None:

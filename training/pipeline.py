@@ -385,7 +385,8 @@ def run_pipeline(
     steps = pipeline_steps(pipeline)
     tracker = PipelineProgress(pipeline.dir.progress_file, preset=config.name, total=len(steps))
     outputs: dict[str, Any] = {}
-    for name, call in steps:
-        with tracker.step(name):
-            outputs[name] = call()
+    with tracker.run():
+        for name, call in steps:
+            with tracker.step(name):
+                outputs[name] = call()
     return dict(outputs["results"])

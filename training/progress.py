@@ -37,6 +37,8 @@ class PipelineProgress:
         self.total = total
         self.done = 0
         self.started = _now()
+        self.current = "start"  # the step under way, or the last one
+        self.failed = False
 
     def write(self, step: str, state: State, message: str | None = None) -> None:
         """Rewrite the file (atomically: a reader sees the old or the new content)."""
@@ -53,19 +55,36 @@ class PipelineProgress:
         artefacts.write_json(self.path, payload)
 
     @contextmanager
+    def run(self) -> Iterator[None]:
+        """The whole run: an exception between steps too (a Ctrl-C right after a step's last
+        write) marks the run failed, so the file never says running for a run that stopped."""
+        try:
+            yield
+        except BaseException as error:
+            if not self.failed:
+                self.fail(error)
+            raise
+
+    @contextmanager
     def step(self, name: str) -> Iterator[None]:
         """Mark step ``name`` running, then count it done; an exception (Ctrl-C included) marks
         the run failed with its message and propagates."""
+        self.current = name
         self.write(name, "running")
         try:
             yield
         except BaseException as error:
-            message = (
-                "interrupted; run the pipeline again to resume"
-                if isinstance(error, KeyboardInterrupt)
-                else f"{type(error).__name__}: {error}"
-            )
-            self.write(name, "failed", message)
+            self.fail(error)
             raise
         self.done += 1
         self.write(name, "running" if self.done < self.total else "done")
+
+    def fail(self, error: BaseException) -> None:
+        """Write the run failed at the current step, with why."""
+        message = (
+            "interrupted; run the pipeline again to resume"
+            if isinstance(error, KeyboardInterrupt)
+            else f"{type(error).__name__}: {error}"
+        )
+        self.failed = True
+        self.write(self.current, "failed", message)
