@@ -155,3 +155,20 @@ def test_random_pool_draws_different_members_and_flags_at_each_threshold(
     labels, flagged = target.flagged(system["x"])
     assert labels.shape == flagged.shape == (4,)
     assert target.guard.threshold == 0.0
+
+
+def test_report_section_shows_each_row() -> None:
+    from training.adaptive_report import adaptive_section
+
+    row = {
+        "model": "lap", "target": "transport", "attack": "surrogate-pgd",
+        "budget": "Linf eps=0.03, 100 steps", "n_start": 200, "n_detected_successful": 50,
+        "n_attacked": 50, "evasion_rate": 0.1, "start_detection_rate": 0.8,
+        "final_detection_rate": 0.7, "median_l2": 1.2, "median_linf": 0.03,
+        "seconds_per_image": 0.5, "surrogate_agreement": 0.9,
+    }  # fmt: skip
+    lines = adaptive_section({"adaptive": [row, {**row, "model": "vanilla", "evasion_rate": None}]})
+    table = "\n".join(lines)
+    assert lines[0] == "## Adaptive attacks"
+    assert "| LAP " in table and "| VAN " in table and "10.0" in table and "90.0%" in table
+    assert adaptive_section({}) == []
