@@ -60,6 +60,23 @@ class Attacker:
         self.feature_scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
         self.value_range = network_config(self.model).input_spec.value_range
         self.device = self.target.guard.device
+        self._reference_verdict: tuple[np.ndarray, np.ndarray] | None = None
+        self._passing_rows: dict[int, np.ndarray] = {}
+
+    def reference_verdict(self) -> tuple[np.ndarray, np.ndarray]:
+        """(labels, flags) of the reference images by the system, queried once."""
+        if self._reference_verdict is None:
+            self._reference_verdict = self.target.flagged(self.reference_images)
+        return self._reference_verdict
+
+    def passing_rows(self, label: int) -> np.ndarray:
+        """Reference rows predicted ``label`` whose features the detector passes when it reads
+        them as class ``label`` (queried once per label)."""
+        if label not in self._passing_rows:
+            rows = np.flatnonzero(self.reference_predicted == label)
+            flagged = detector_flags(self, self.reference_features[rows], label)
+            self._passing_rows[label] = rows[~flagged]
+        return self._passing_rows[label]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, transport features) of ``x`` with their autograd graph: one forward pass
@@ -220,7 +237,7 @@ def system_hsj(
         system, x.shape[1:], k + 1, clip_values=tuple(map(float, a.value_range))
     )
     wanted = a.features(x_start)[1]
-    ref_labels, ref_flagged = a.target.flagged(a.reference_images)
+    ref_labels, ref_flagged = a.reference_verdict()
     out = x_start.copy()
     for c in np.unique(wanted):
         rows = np.flatnonzero(wanted == c)
@@ -243,6 +260,17 @@ def system_hsj(
 # --------------------------------------------------------------------------------------------
 # Attack 2: undetected features by HopSkipJump on the detector, then eq. (42)
 # --------------------------------------------------------------------------------------------
+def detector_flags(a: Attacker, features: np.ndarray, label: int) -> np.ndarray:
+    """The target's detector alone (its torch form and threshold) on feature rows read as
+    predicted class ``label``: True where flagged."""
+    guard = a.target.guard
+    feats = torch.from_numpy(np.asarray(features, dtype=np.float32)).to(guard.device)
+    labels = torch.full((len(feats),), int(label), dtype=torch.int64, device=guard.device)
+    with torch.inference_mode():
+        scores = guard.detector_module(feats, labels)
+    return scores.cpu().numpy() > guard.threshold
+
+
 def undetected_features(
     a: Attacker, z: np.ndarray, predicted: np.ndarray, p: FeatureMatchParams
 ) -> np.ndarray:
@@ -251,24 +279,17 @@ def undetected_features(
     feature row of that class the detector passes. Rows without such a start keep ``z``."""
     from art.estimators.classification import BlackBoxClassifier
 
-    guard = a.target.guard
     u_ref = (a.reference_features - a.feature_mean) / a.feature_scale
     bound = float(np.abs(u_ref).max()) * 1.5
     out = z.copy()
     for i in range(len(z)):
-        label = torch.full((1,), int(predicted[i]), dtype=torch.int64)
+        label = int(predicted[i])
 
-        def detector(u: np.ndarray, label: torch.Tensor = label) -> np.ndarray:
-            feats = torch.from_numpy((u * a.feature_scale + a.feature_mean).astype(np.float32))
-            with torch.inference_mode():
-                scores = guard.detector_module(
-                    feats.to(guard.device), label.expand(len(u)).to(guard.device)
-                )
-            return np.eye(2, dtype=np.float32)[(scores.cpu().numpy() > guard.threshold).astype(int)]
+        def detector(u: np.ndarray, label: int = label) -> np.ndarray:
+            flags = detector_flags(a, u * a.feature_scale + a.feature_mean, label)
+            return np.eye(2, dtype=np.float32)[flags.astype(int)]
 
-        passing = np.flatnonzero(
-            (a.reference_predicted == predicted[i]) & (detector(u_ref)[:, 0] == 1)
-        )
+        passing = a.passing_rows(label)
         if not passing.size:
             continue
         u = ((z[i : i + 1] - a.feature_mean) / a.feature_scale).astype(np.float32)
