@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from detector import artefacts
 from training import adversarial
@@ -105,17 +106,21 @@ def build_attacker(run: PipelineRun, name: str, target: Target, *, surrogate: bo
     return attacker
 
 
+def target_member_margins(
+    target: Target, features: np.ndarray, predicted: np.ndarray
+) -> np.ndarray:
+    """Every member's ``score - threshold`` (> 0: flagged) of feature rows, [N, members]."""
+    device = target.guard.device
+    with torch.inference_mode():
+        margins = target.pool.margins(
+            torch.from_numpy(features).to(device), torch.from_numpy(predicted).to(device)
+        )
+    return margins.cpu().numpy()
+
+
 def target_margins(target: Target, features: np.ndarray, predicted: np.ndarray) -> np.ndarray:
     """The target's mean member ``score - threshold`` (> 0: flagged) of feature rows."""
-    import torch
-
-    pool = target.pool
-    with torch.inference_mode():
-        margins = pool.margins(
-            torch.from_numpy(features).to(target.guard.device),
-            torch.from_numpy(predicted).to(target.guard.device),
-        )
-    return margins.mean(dim=1).cpu().numpy()
+    return target_member_margins(target, features, predicted).mean(axis=1)
 
 
 def evasion_metrics(
@@ -232,8 +237,18 @@ def run_attack(
     }
     if attacker.surrogate is not None and attack.startswith("surrogate"):
         row["surrogate_agreement"] = attacker.surrogate_agreement
+    if target.spec.members > 1 and len(rows):
+        row["member_evasion_rate"] = member_evasion(attacker, x_adv, start.y[rows])
     artefacts.write_json(out / "row.json", row)
     return row
+
+
+def member_evasion(attacker: Attacker, x_adv: np.ndarray, y: np.ndarray) -> float:
+    """The evasion rate a random draw gives in expectation: the share of (image, member) pairs
+    where the image fools the network and the member passes it."""
+    features, predicted = attacker.features(x_adv)
+    passed = target_member_margins(attacker.target, features, predicted) <= 0
+    return float(((predicted != y)[:, None] & passed).mean())
 
 
 def _budget(params: dict[str, Any]) -> str:
