@@ -213,8 +213,8 @@ def run_attack(
     pool = np.flatnonzero((start_verdict[0] != start.y) & start_verdict[1])
     rows = pool[:limit] if limit is not None else pool
     key = artefacts.sha256_json(
-        {"attack": attack, "params": resolved, "start": start.key, "rows": rows.tolist()}
-    )[:16]
+        {"attack": attack, "params": resolved, "start": start.key, "pool": pool.tolist()}
+    )[:16]  # not the limit: a larger --limit reuses the batches already done
     out = run.dir.adaptive(name) / target.spec.label / f"{attack}-{key}"
     x_adv, seconds = _attack_batches(out, attacker, attack, resolved, start, rows, batch_size)
     x_final = start.x_start.copy()
