@@ -33,6 +33,7 @@ from training.attacks import network_config
 from training.deployable import SPLIT_SEED, equal_shares
 from training.experiments import Split, concat
 from training.pipeline import PipelineRun
+from training.rundir import ADAPTIVE_DIR, RunDir
 from training.surrogate import agreement, distill
 
 REFERENCE_IMAGES = 2000
@@ -259,20 +260,22 @@ def _budget(params: dict[str, Any]) -> str:
     return f"HSJ {params['hsj_max_iter']} it / {params['hsj_max_eval']} evals + L-BFGS"
 
 
-def write_adaptive_rows(run: PipelineRun, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Merge ``rows`` into RUN/results.json's ``"adaptive"`` list (a row replaces the one with
-    the same model, target, attack and budget); returns the list."""
+def collect_rows(run_dir: RunDir) -> list[dict[str, Any]]:
+    """Every adaptive row written under ``RUN/adaptive/`` (one ``row.json`` per attack folder),
+    in path order: the one source of results.json's ``"adaptive"`` list."""
+    root = run_dir.path / ADAPTIVE_DIR
+    return [
+        artefacts.read_json(p, what="adaptive row") for p in sorted(root.glob("*/*/*/row.json"))
+    ]
+
+
+def write_adaptive_rows(run: PipelineRun) -> list[dict[str, Any]]:
+    """Refresh RUN/results.json's ``"adaptive"`` list from the rows on disk; returns it."""
     path = run.dir.results_file
     results = artefacts.read_json(path, what="results") if path.is_file() else {}
-
-    def ident(r: dict[str, Any]) -> tuple[str, ...]:
-        return (r["model"], r["target"], r["attack"], r["budget"])
-
-    new = {ident(r) for r in rows}
-    merged = [r for r in results.get("adaptive", []) if ident(r) not in new] + list(rows)
-    results["adaptive"] = merged
+    results["adaptive"] = collect_rows(run.dir)
     artefacts.write_json(path, results)
-    return merged
+    return results["adaptive"]
 
 
 def adaptive_experiment(
@@ -289,5 +292,5 @@ def adaptive_experiment(
         )  # fmt: skip
         for attack, params in attacks
     ]
-    write_adaptive_rows(run, rows)
+    write_adaptive_rows(run)
     return rows

@@ -16,6 +16,7 @@ HEADER = (
     "Detected successful",
     "Attacked",
     "Evasion (%)",
+    "Pool mean evasion (%)",
     "Start det. (%)",
     "Final det. (%)",
     "Median L2",
@@ -28,7 +29,7 @@ NOTE = (
     "start images that fool the network AND are flagged by the target (detected successful); "
     "Attacked < Detected successful where the run was cut short (the rest stays to run: the "
     "command resumes). Evasion: share of the attacked images turned into images that fool the "
-    "network and pass the target (one fresh query; for a pool, one random member). Start/final "
+    "network and pass the target (one fresh query; for a pool, one random member; pool mean evasion: the same averaged over the members, what a random draw gives in expectation). Start/final "
     "det.: share of successful start/final images flagged (final: attacked images replaced by "
     "the attack's result). Distances to the clean image. Targets are fitted on the training "
     "side and calibrated at the target FPR there; 'pool' targets answer each query with a "
@@ -58,6 +59,7 @@ def adaptive_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
             str(r["n_detected_successful"]),
             str(r["n_attacked"]),
             _percent(r["evasion_rate"]),
+            _percent(r.get("member_evasion_rate")),
             _percent(r["start_detection_rate"]),
             _percent(r["final_detection_rate"]),
             _number(r["median_l2"], 3),
