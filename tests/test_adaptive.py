@@ -172,3 +172,14 @@ def test_report_section_shows_each_row() -> None:
     assert lines[0] == "## Adaptive attacks"
     assert "| LAP " in table and "| VAN " in table and "10.0" in table and "90.0%" in table
     assert adaptive_section({}) == []
+
+
+def test_rows_are_collected_from_the_run_directory(tmp_path) -> None:
+    from detector.artefacts import write_json
+    from training.adaptive import collect_rows
+    from training.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    for target in ("transport", "transport-pool5"):
+        write_json(run.adaptive("lap") / target / "surrogate-pgd-abc" / "row.json", {"t": target})
+    assert [r["t"] for r in collect_rows(run)] == ["transport", "transport-pool5"]
