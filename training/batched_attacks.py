@@ -24,7 +24,7 @@ C_UPPER_BOUND = 10e10
 DEEPFOOL_TOL = 10e-8
 
 
-class _TanhBox:
+class TanhBox:
     """ART's change of variables between the value range and tanh space."""
 
     def __init__(self, low: float, high: float) -> None:
@@ -171,7 +171,7 @@ class CarliniL2:
         max_doubling: int,
     ) -> None:
         self.x, self.y = x, y
-        self.box = _TanhBox(*value_range)
+        self.box = TanhBox(*value_range)
         self.w0 = self.box.to_tanh(x)
         self.objective = _CWObjective(model, confidence)
         self.learning_rate = learning_rate

@@ -141,7 +141,36 @@ def _add_attack(sub: argparse._SubParsersAction) -> None:
         "--list", action="store_true", help="print the registered attacks with their defaults"
     )
     _add_attack_engine_flags(p)
+    _add_adaptive_flags(p)
     p.set_defaults(handler=_run_attack)
+
+
+def _add_adaptive_flags(p: argparse.ArgumentParser) -> None:
+    """`attack --adaptive`: attacks that know the detector (the registry's adaptive section)."""
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="--attack names an adaptive attack on the network + detector system (--list "
+        "--adaptive lists them); --n is the number of test-side starting images; results go "
+        "to RUN/adaptive/ and results.json's 'adaptive' rows",
+    )
+    p.add_argument(
+        "--target",
+        default="transport",
+        help="with --adaptive: the attacked detector, fitted on the training side (default transport)",
+    )
+    p.add_argument(
+        "--pool",
+        type=int,
+        default=1,
+        help="with --adaptive: a pool of POOL detectors drawn at random per query (default 1)",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="with --adaptive: attack at most LIMIT of the detected successful images",
+    )
 
 
 def _add_attack_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -201,6 +230,8 @@ def _run_attack(args: argparse.Namespace) -> int:
     from training.adversarial import attack_run
     from training.console import attack_lines, attack_table
 
+    if args.adaptive:
+        return _run_adaptive(args)
     if args.list:
         return _print_lines(attack_lines())
     if args.run is None or args.attack is None:
@@ -222,6 +253,32 @@ def _run_attack(args: argparse.Namespace) -> int:
             engine=engine,
         )
     return _print_lines(attack_table(sets, args.attack))
+
+
+def _run_adaptive(args: argparse.Namespace) -> int:
+    from training.adaptive import adaptive_experiment
+    from training.adaptive_target import TargetSpec
+    from training.console import adaptive_attack_lines, adaptive_table
+    from training.pipeline import PipelineRun
+
+    if args.list:
+        return _print_lines(adaptive_attack_lines())
+    if args.run is None or args.attack is None:
+        raise UsageError("attack --adaptive needs --run DIR and --attack NAME (see --list)")
+    run = PipelineRun.open(args.run, root=args.root, progress=not args.no_progress)
+    spec = TargetSpec(args.target, args.pool)
+    rows = []
+    for name in [args.model] if args.model else list(run.config.models):
+        rows += adaptive_experiment(
+            run,
+            name,
+            spec,
+            [(args.attack, _attack_params(args.param, args.eps))],
+            n=args.n,
+            limit=args.limit,
+            batch_size=args.batch_size or 10,
+        )
+    return _print_lines(adaptive_table(rows))
 
 
 # ---- pipeline / fit / evaluate / report / bundle ------------------------------------------------

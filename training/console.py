@@ -100,6 +100,67 @@ def attack_table(sets: Mapping[str, Any], attack: str) -> list[str]:
     return [*aligned(rows), ATTACK_FOOTNOTE]
 
 
+ADAPTIVE_COLUMNS = (
+    "model",
+    "target",
+    "attack",
+    "budget",
+    "start",
+    "detected",
+    "attacked",
+    "evasion",
+    "final det.",
+    "median L2",
+    "median Linf",
+    "s/image",
+)
+
+
+def adaptive_attack_lines() -> list[str]:
+    """Two lines per adaptive attack: name, start attack and summary, then its defaults."""
+    from training.adaptive_attacks import get_adaptive_spec, list_adaptive_attacks
+
+    lines = []
+    for name in list_adaptive_attacks():
+        spec = get_adaptive_spec(name)
+        summary = (spec.params.__doc__ or "").strip().splitlines()[0]
+        defaults = " ".join(f"{k}={v}" for k, v in spec.make_params().model_dump().items())
+        lines += [f"{name:15s} from {spec.start:4s} {summary}", f"{'':15s} {defaults}"]
+    return lines
+
+
+def _number(value: Any, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def adaptive_table(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The adaptive rows (``results.json`` ``"adaptive"``) as a table."""
+    lines = [ADAPTIVE_COLUMNS]
+    for r in rows:
+        lines.append(
+            (
+                r["model"],
+                r["target"],
+                r["attack"],
+                r["budget"],
+                str(r["n_start"]),
+                str(r["n_detected_successful"]),
+                str(r["n_attacked"]),
+                _number(r["evasion_rate"]),
+                _number(r["final_detection_rate"]),
+                _number(r["median_l2"], 4),
+                _number(r["median_linf"], 4),
+                _number(r["seconds_per_image"], 2),
+            )
+        )
+    footnote = (
+        "(detected = successful start images the target flags, the attack's pool; evasion = "
+        "share of the attacked pool that fools the network unflagged; final det. = flag rate of "
+        "successful final images)"
+    )
+    return [*aligned(lines), footnote]
+
+
 def detection_lines(rows: Iterable[Mapping[str, Any]]) -> list[str]:
     """One line per detection protocol result (an ``evaluation.json`` ``detection`` row)."""
     return [

@@ -928,6 +928,8 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
 
 def write_report(run_dir: Path) -> Path:
     """Write RUN/report.md and RUN/figures/*.png from the run's results, features and scores; return report.md."""
+    from training.adaptive_report import adaptive_section  # it reads this module's helpers
+
     run = RunDir(run_dir)
     run_dir, results_path = run.path, run.results_file
     if not results_path.is_file():
@@ -956,6 +958,7 @@ def write_report(run_dir: Path) -> Path:
         *ood_section(ood, rows),
         *security_section(detection, rows),
         *deployed_section(run_dir, config, detection),
+        *adaptive_section(results),
         *learning_curve_section(run_dir, results),
         *timing_section(results),
         *dynamics_section(run_dir),

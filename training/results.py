@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from detector import artefacts
+from training.adaptive import collect_rows
 from training.pipeline import PipelineRun, perturbed
 
 
@@ -24,6 +25,7 @@ def write_results(run: PipelineRun) -> dict[str, Any]:
         "detection": evaluation["detection"],
         "ood": evaluation["ood"],
         "learning_curves": evaluation.get("learning_curves", {}),
+        "adaptive": collect_rows(run.dir),
         "timing": _timing(timing, timing.get(run.config.deploy_model, {})),
         "machine": _machine(),
     }

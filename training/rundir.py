@@ -53,6 +53,7 @@ SCORES_DIR = "scores"
 FIGURES_DIR = "figures"
 DETECTOR_DIR = "detector"
 BUNDLE_DIR = "bundle"
+ADAPTIVE_DIR = "adaptive"
 
 TRAIN_CONFIG_FILE = "train_config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -200,6 +201,10 @@ class RunDir:
     def feature_selection(self, name: str) -> Path:
         """``features/<name>/selection.json``: the candidate feature sets' validation scores."""
         return self.feature_dir(name) / "selection.json"
+
+    def adaptive(self, name: str) -> Path:
+        """``adaptive/<name>/``: targets, starting sets and results of the adaptive attacks."""
+        return self.path / ADAPTIVE_DIR / name
 
     def mahalanobis_features(self, name: str, set_name: str) -> Path:
         """``features/<name>/mahalanobis/<set>.npz``."""

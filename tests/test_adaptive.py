@@ -1,0 +1,185 @@
+"""Adaptive attacks on a tiny seeded network: valid images within budget, the evasion metric by
+hand, the distilled surrogate against its detector, the random detector pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from detector.calibration import Calibration
+from detector.features import extract_features
+from detector.forest import TransportDetector
+from detector.networks import InputSpec, NetworkConfig, build_network
+from tests.service_helpers import synthetic_images
+from training.adaptive import evasion_metrics, perturbation_metrics
+from training.adaptive_attacks import (
+    Attacker,
+    get_adaptive_spec,
+    list_adaptive_attacks,
+    run_adaptive,
+)
+from training.adaptive_target import DetectorPool, TargetSpec, assemble_target
+from training.attacks import generate
+from training.data import FASHION_CLASSES
+from training.surrogate import agreement, distill
+
+N_FIT = 120
+
+
+@pytest.fixture(scope="module")
+def network() -> torch.nn.Module:
+    """The conftest's tiny network, built once for the module (the system fixture is costly)."""
+    torch.manual_seed(0)
+    config = NetworkConfig(
+        architecture="resnet9_mnist",
+        arguments={"width": 4, "depth": 2, "hidden": 8},
+        class_names=list(FASHION_CLASSES),
+        input_spec=InputSpec(channels=1, height=28, width=28, mean=[0.2860], std=[0.3530]),
+    )
+    return build_network(config).eval()
+
+
+@pytest.fixture(scope="module")
+def system(network: torch.nn.Module) -> dict:
+    """A TR detector fitted on clean blobs vs their FGM images against the tiny network, and
+    its target (calibrated at 10% FPR on held-out clean blobs)."""
+    tiny_network = network
+    x = synthetic_images(N_FIT + 40, seed=1)
+    with torch.no_grad():
+        y = tiny_network(torch.from_numpy(x)).argmax(1).numpy()
+    x_adv = generate(tiny_network, x, y, "fgm", {"eps": 0.1}, progress=False)
+    f_clean, logits_clean = extract_features(tiny_network, x)
+    f_adv, logits_adv = extract_features(tiny_network, x_adv)
+    fit = slice(0, N_FIT)
+    detector = TransportDetector(n_estimators=10, min_class_samples=5).fit(
+        np.concatenate([f_clean[fit], f_adv[fit]]),
+        np.r_[np.zeros(N_FIT), np.ones(N_FIT)].astype(int),
+        np.concatenate([logits_clean[fit].argmax(1), logits_adv[fit].argmax(1)]),
+    )
+    held = slice(N_FIT, None)
+    calibration = Calibration.from_scores(
+        detector.score(f_clean[held], logits_clean[held].argmax(1)), 0.1
+    )
+    target = assemble_target(tiny_network, TargetSpec(), [detector], [calibration])
+    features = np.concatenate([f_clean[fit], f_adv[fit]])
+    predicted = np.concatenate([logits_clean[fit].argmax(1), logits_adv[fit].argmax(1)])
+    margins = detector.score(features, predicted) - calibration.threshold
+    attacker = Attacker(
+        tiny_network,
+        target,
+        x[fit],
+        f_clean[fit],
+        logits_clean[fit].argmax(1),
+        surrogate=distill(features, predicted, margins, 10, epochs=300),
+    )
+    return {
+        "x": x[held][:4],
+        "x_adv": x_adv[held][:4],
+        "y": y[held][:4],
+        "attacker": attacker,
+        "fit": (features, predicted, margins),
+        "detector": detector,
+    }
+
+
+FAST = {
+    "system-hsj": {"max_iter": 2, "max_eval": 40, "init_eval": 10},
+    "feature-match": {"hsj_max_iter": 2, "hsj_max_eval": 40, "c1": [1.0, 10.0], "lbfgs_iter": 5},
+    "surrogate-pgd": {"eps": 0.03, "steps": 5},
+    "surrogate-opgd": {"eps": 0.1, "steps": 5},
+}
+
+
+def test_registry_holds_the_three_attacks_with_the_seeds_budgets() -> None:
+    assert set(list_adaptive_attacks()) == set(FAST)
+    hsj = get_adaptive_spec("system-hsj").make_params()
+    assert (hsj.max_iter, hsj.max_eval) == (50, 10000)  # type: ignore[attr-defined]
+    assert get_adaptive_spec("surrogate-opgd").make_params().orthogonal  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("attack", sorted(FAST))
+def test_adaptive_attacks_return_valid_images_within_budget(system: dict, attack: str) -> None:
+    x, x_start, y = system["x"], system["x_adv"], system["y"]
+    out = run_adaptive(attack, system["attacker"], x, x_start, y, FAST[attack], seed=0)
+    assert out.shape == x.shape and out.dtype == np.float32
+    assert np.isfinite(out).all() and out.min() >= 0.0 and out.max() <= 1.0
+    eps = FAST[attack].get("eps")
+    if eps is not None:
+        assert np.abs(out - x).max() <= eps + 1e-6
+    again = run_adaptive(attack, system["attacker"], x, x_start, y, FAST[attack], seed=0)
+    if attack.startswith("surrogate"):  # deterministic given the seed
+        np.testing.assert_array_equal(out, again)
+
+
+def test_evasion_metric_by_hand() -> None:
+    y = np.array([0, 0, 0, 0, 0])
+    # starts: rows 0-2 successful and flagged (the pool), row 3 successful unflagged, row 4 failed
+    start = (np.array([1, 1, 1, 1, 0]), np.array([True, True, True, False, True]))
+    attacked = np.array([True, True, False, False, False])  # limit: only rows 0 and 1 attacked
+    # finals: row 0 evades, row 1 still flagged, row 2 (not attacked) keeps its flagged start
+    final = (np.array([1, 1, 1, 1, 0]), np.array([False, True, True, False, True]))
+    m = evasion_metrics(y, start, final, attacked)
+    assert (m["n_detected_successful"], m["n_attacked"], m["n_evaded"]) == (3, 2, 1)
+    assert m["evasion_rate"] == 0.5
+    assert m["start_detection_rate"] == 0.75  # 3 of 4 successful starts flagged
+    assert m["final_detection_rate"] == pytest.approx(1 / 3)  # rows 0, 1, 3 covered + successful
+    p = perturbation_metrics(np.zeros((2, 1, 2, 2)), np.array([[[[0.0, 0.3], [0.4, 0]]]] * 2))
+    assert p["median_l2"] == pytest.approx(0.5) and p["mean_linf"] == pytest.approx(0.4)
+
+
+def test_surrogate_agrees_with_the_detector_it_imitates(system: dict) -> None:
+    features, predicted, margins = system["fit"]
+    surrogate = system["attacker"].surrogate
+    assert agreement(surrogate, features, predicted, margins) >= 0.85
+
+
+def test_random_pool_draws_different_members_and_flags_at_each_threshold(
+    system: dict, network: torch.nn.Module
+) -> None:
+    features, predicted, _ = system["fit"]
+    members = [system["detector"], TransportDetector(n_estimators=10, random_state=7)]
+    members[1].fit(features, np.r_[np.zeros(N_FIT), np.ones(N_FIT)].astype(int), predicted)
+    calibrations = [
+        Calibration.from_scores(m.score(features[:N_FIT], predicted[:N_FIT]), 0.1) for m in members
+    ]
+    assert all(c.achieved_fpr <= 0.1 for c in calibrations)
+    pool = DetectorPool([m.to_torch() for m in members], [c.threshold for c in calibrations])
+    drawn = pool.draw(200)
+    assert set(drawn.tolist()) == {0, 1}
+    f, p = torch.from_numpy(features), torch.from_numpy(predicted)
+    with torch.no_grad():
+        margins, answer = pool.margins(f, p), pool(f, p)
+    assert torch.isclose(answer[:, None], margins).any(dim=1).all()  # each answer is a member's
+    target = assemble_target(network, TargetSpec(members=2), members, calibrations)
+    labels, flagged = target.flagged(system["x"])
+    assert labels.shape == flagged.shape == (4,)
+    assert target.guard.threshold == 0.0
+
+
+def test_report_section_shows_each_row() -> None:
+    from training.adaptive_report import adaptive_section
+
+    row = {
+        "model": "lap", "target": "transport", "attack": "surrogate-pgd",
+        "budget": "Linf eps=0.03, 100 steps", "n_start": 200, "n_detected_successful": 50,
+        "n_attacked": 50, "evasion_rate": 0.1, "start_detection_rate": 0.8,
+        "final_detection_rate": 0.7, "median_l2": 1.2, "median_linf": 0.03,
+        "seconds_per_image": 0.5, "surrogate_agreement": 0.9,
+    }  # fmt: skip
+    lines = adaptive_section({"adaptive": [row, {**row, "model": "vanilla", "evasion_rate": None}]})
+    table = "\n".join(lines)
+    assert lines[0] == "## Adaptive attacks"
+    assert "| LAP " in table and "| VAN " in table and "10.0" in table and "90.0%" in table
+    assert adaptive_section({}) == []
+
+
+def test_rows_are_collected_from_the_run_directory(tmp_path) -> None:
+    from detector.artefacts import write_json
+    from training.adaptive import collect_rows
+    from training.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    for target in ("transport", "transport-pool5"):
+        write_json(run.adaptive("lap") / target / "surrogate-pgd-abc" / "row.json", {"t": target})
+    assert [r["t"] for r in collect_rows(run)] == ["transport", "transport-pool5"]

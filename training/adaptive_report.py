@@ -1,0 +1,97 @@
+"""The report's section on adaptive attacks (``results.json`` ``"adaptive"`` rows)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from training.report import MODEL_LABELS, markdown_table, order_models
+
+HEADER = (
+    "Network",
+    "Target",
+    "Attack",
+    "Budget",
+    "Start images",
+    "Detected successful",
+    "Attacked",
+    "Evasion (%)",
+    "Pool mean evasion (%)",
+    "Start det. (%)",
+    "Final det. (%)",
+    "Median L2",
+    "Median L∞",
+    "s/image",
+)
+NOTE = (
+    "Each attack starts from the first test-side images of the seed-0 split (the start attack: "
+    "CW for the seed's two attacks, BIM at the same ε for the surrogate ones) and attacks the "
+    "start images that fool the network AND are flagged by the target (detected successful); "
+    "Attacked < Detected successful where the run was cut short (the rest stays to run: the "
+    "command resumes). Evasion: share of the attacked images turned into images that fool the "
+    "network and pass the target (one fresh query; for a pool, one random member; pool mean evasion: the same averaged over the members, what a random draw gives in expectation). Start/final "
+    "det.: share of successful start/final images flagged (final: attacked images replaced by "
+    "the attack's result). Distances to the clean image. Targets are fitted on the training "
+    "side and calibrated at the target FPR there; 'pool' targets answer each query with a "
+    "member drawn at random."
+)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def adaptive_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """Table rows, ordered by network, target, attack and budget."""
+    order = {m: i for i, m in enumerate(order_models(r["model"] for r in rows))}
+    ranked = sorted(rows, key=lambda r: (order[r["model"]], r["target"], r["attack"], r["budget"]))
+    return [
+        [
+            MODEL_LABELS.get(r["model"], r["model"].upper()),
+            r["target"],
+            r["attack"],
+            r["budget"],
+            str(r["n_start"]),
+            str(r["n_detected_successful"]),
+            str(r["n_attacked"]),
+            _percent(r["evasion_rate"]),
+            _percent(r.get("member_evasion_rate")),
+            _percent(r["start_detection_rate"]),
+            _percent(r["final_detection_rate"]),
+            _number(r["median_l2"], 3),
+            _number(r["median_linf"], 3),
+            _number(r["seconds_per_image"], 2),
+        ]
+        for r in ranked
+    ]
+
+
+def adaptive_section(results: Mapping[str, Any]) -> list[str]:
+    """'## Adaptive attacks': the table and how to read it; nothing when no rows exist."""
+    rows = list(results.get("adaptive", []))
+    if not rows:
+        return []
+    agreement = [
+        f"{MODEL_LABELS.get(r['model'], r['model'])} {r['target']}: "
+        f"{100 * r['surrogate_agreement']:.1f}%"
+        for r in rows
+        if r.get("surrogate_agreement") is not None
+    ]
+    lines = [
+        "## Adaptive attacks",
+        "",
+        markdown_table(HEADER, adaptive_rows(rows), left=4),
+        "",
+        NOTE,
+    ]
+    if agreement:
+        unique = list(dict.fromkeys(agreement))
+        lines += [
+            "",
+            "Surrogate agreement with its target on its training rows: " + ", ".join(unique) + ".",
+        ]
+    return [*lines, ""]
