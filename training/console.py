@@ -100,22 +100,6 @@ def attack_table(sets: Mapping[str, Any], attack: str) -> list[str]:
     return [*aligned(rows), ATTACK_FOOTNOTE]
 
 
-ADAPTIVE_COLUMNS = (
-    "model",
-    "target",
-    "attack",
-    "budget",
-    "start",
-    "detected",
-    "attacked",
-    "evasion",
-    "final det.",
-    "median L2",
-    "median Linf",
-    "s/image",
-)
-
-
 def adaptive_attack_lines() -> list[str]:
     """Two lines per adaptive attack: name, start attack and summary, then its defaults."""
     from training.adaptive_attacks import get_adaptive_spec, list_adaptive_attacks
@@ -129,30 +113,12 @@ def adaptive_attack_lines() -> list[str]:
     return lines
 
 
-def _number(value: Any, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def adaptive_table(rows: Iterable[Mapping[str, Any]]) -> list[str]:
-    """The adaptive rows (``results.json`` ``"adaptive"``) as a table."""
-    lines = [ADAPTIVE_COLUMNS]
-    for r in rows:
-        lines.append(
-            (
-                r["model"],
-                r["target"],
-                r["attack"],
-                r["budget"],
-                str(r["n_start"]),
-                str(r["n_detected_successful"]),
-                str(r["n_attacked"]),
-                _number(r["evasion_rate"]),
-                _number(r["final_detection_rate"]),
-                _number(r["median_l2"], 4),
-                _number(r["median_linf"], 4),
-                _number(r["seconds_per_image"], 2),
-            )
-        )
+    """The adaptive rows (``results.json`` ``"adaptive"``) as a table: the report's columns and
+    rows (:func:`training.adaptive_report.adaptive_rows`), aligned for the terminal."""
+    from training.adaptive_report import HEADER, adaptive_rows
+
+    lines = [HEADER, *map(tuple, adaptive_rows(list(rows)))]
     footnote = (
         "(detected = successful start images the target flags, the attack's pool; evasion = "
         "share of the attacked pool that fools the network unflagged; final det. = flag rate of "
