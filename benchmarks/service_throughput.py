@@ -14,8 +14,9 @@ Prints:
     others (under load, p50 >= clients / throughput whatever the server does).
 
 The server is `lapguard serve` in a subprocess on 127.0.0.1 (a free port). The load generator is
-`wrk` when it is on PATH (C, so that it takes little of the cores the server needs), else httpx
-in this process; it is bounded by --time-limit (and --requests for httpx). Benchmark alone: other
+`wrk` (C, so that it takes little of the cores the server needs; installed with apt-get when
+missing), or httpx in this process with ``--load-generator httpx``; it is bounded by --time-limit
+(and --requests for httpx). Benchmark alone: other
 jobs on the cores skew everything.
 """
 
@@ -25,12 +26,9 @@ import argparse
 import asyncio
 import io
 import os
-import re
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +43,7 @@ from detector.images import decode_image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from local_server import start_server, stop_server  # noqa: E402
+from wrk_load import ensure_wrk, run_wrk  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,9 +63,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--load-generator",
-        choices=["auto", "wrk", "httpx"],
-        default="auto",
-        help="auto: wrk if it is on PATH, else httpx",
+        choices=["wrk", "httpx"],
+        default="wrk",
+        help="wrk (installed when missing) or httpx in this process (takes a core from the server)",
     )
     p.add_argument(
         "--single-client-seconds", type=float, default=10.0, help="seconds of the one-client phase"
@@ -194,48 +193,17 @@ async def load(
     return latencies, wall, errors
 
 
-_WRK_SCRIPT = """
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "{content_type}"
-local f = assert(io.open("{body}", "rb"))
-wrk.body = f:read("*a")
-f:close()
-"""
-_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
-
-
-def run_wrk(url: str, blob: bytes, clients: int, seconds: float, folder: Path) -> dict[str, float]:
-    """``wrk`` POSTing one PNG per request (multipart, as a browser or `curl -F` sends it) from
-    ``clients`` connections for ``seconds``: requests/s, p50/p99 latency (ms), non-2xx count."""
+def wrk_multipart(url: str, blob: bytes, clients: int, seconds: float) -> dict[str, float]:
+    """``wrk`` POSTing one PNG per request to /v1/predict (multipart, as a browser or `curl -F`
+    sends it) from ``clients`` connections for ``seconds``."""
     request = httpx.Request("POST", url, files={"files": ("x.png", blob, "image/png")})
-    body = folder / "body.bin"
-    body.write_bytes(request.read())
-    script = folder / "post.lua"
-    script.write_text(_WRK_SCRIPT.format(content_type=request.headers["content-type"], body=body))
-    command = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, round(seconds))}s", "--latency"]
-    command += ["-s", str(script), url + "/v1/predict"]
-    output = subprocess.run(
-        command, capture_output=True, text=True, timeout=seconds + 60, check=True
-    ).stdout
-
-    def latency(percent: str) -> float:
-        found = re.search(rf"^\s*{percent}%\s+([\d.]+)(us|ms|s)\s*$", output, re.MULTILINE)
-        if found is None:
-            raise SystemExit(f"no {percent}% latency in wrk's output:\n{output}")
-        return float(found.group(1)) * _UNITS[found.group(2)]
-
-    rate = re.search(r"Requests/sec:\s+([\d.]+)", output)
-    requests = re.search(r"(\d+) requests in", output)
-    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", output)
-    if rate is None or requests is None:
-        raise SystemExit(f"cannot read wrk's output:\n{output}")
-    return {
-        "rate": float(rate.group(1)),
-        "requests": float(requests.group(1)),
-        "p50": latency("50"),
-        "p99": latency("99"),
-        "errors": float(bad.group(1)) if bad else 0.0,
-    }
+    return run_wrk(
+        url + "/v1/predict",
+        request.read(),
+        request.headers["content-type"],
+        clients=clients,
+        seconds=seconds,
+    )
 
 
 def run_httpx(
@@ -275,22 +243,21 @@ def main() -> None:
     del guard
 
     generator = args.load_generator
-    if generator == "auto":
-        generator = "wrk" if shutil.which("wrk") else "httpx"
+    if generator == "wrk":
+        ensure_wrk()
     process, url = start_local_server(args)
     try:
-        with tempfile.TemporaryDirectory(prefix="service-throughput-") as tmp:
 
-            def measure(clients: int, seconds: float) -> dict[str, float]:
-                if generator == "wrk":
-                    return run_wrk(url, blobs[0], clients, seconds, Path(tmp))
-                return run_httpx(url, blobs, clients, args.requests, seconds)
+        def measure(clients: int, seconds: float) -> dict[str, float]:
+            if generator == "wrk":
+                return wrk_multipart(url, blobs[0], clients, seconds)
+            return run_httpx(url, blobs, clients, args.requests, seconds)
 
-            measure(args.clients, 5.0)  # warm-up: connections, batcher, allocator
-            before = httpx.get(url + "/metrics", timeout=5).text
-            loaded = measure(args.clients, args.time_limit)
-            after = httpx.get(url + "/metrics", timeout=5).text
-            single = measure(1, args.single_client_seconds)
+        measure(args.clients, 5.0)  # warm-up: connections, batcher, allocator
+        before = httpx.get(url + "/metrics", timeout=5).text
+        loaded = measure(args.clients, args.time_limit)
+        after = httpx.get(url + "/metrics", timeout=5).text
+        single = measure(1, args.single_client_seconds)
     finally:
         stop_server(process)
     batches = _metric(after, "lapguard_batch_size_count") - _metric(

@@ -11,6 +11,7 @@ not done here (that is :meth:`detector.guard.Guard.prepare`).
 from __future__ import annotations
 
 import io
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +26,7 @@ DEFAULT_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "BMP", "GIF", "TIFF", "WEBP")
 DEFAULT_MAX_PIXELS = 4096 * 4096
 
 _GRAY_MODES = {"1", "L", "LA", "La"}
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _WIDE_GRAY_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}
 _ALPHA_MODES = {"RGBA", "RGBa", "PA"}
 
@@ -72,7 +74,13 @@ def decode_image(
 
 
 def image_pixels(data: bytes) -> int:
-    """Width x height from the header alone (0 when the data is not a recognisable image)."""
+    """Width x height from the header alone (0 when the data is not a recognisable image).
+
+    A PNG's size is read from its IHDR chunk directly (microseconds: the service calls this for
+    every image of every request); other formats go through Pillow's header parser."""
+    if data[:8] == _PNG_SIGNATURE and data[12:16] == b"IHDR" and len(data) >= 24:
+        width, height = struct.unpack(">II", data[16:24])
+        return int(width) * int(height)
     try:
         with Image.open(io.BytesIO(data)) as probe:
             width, height = probe.size

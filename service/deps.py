@@ -15,9 +15,18 @@ from service.query_memory import client_key
 from service.runtime import Runtime
 
 
-def get_runtime(request: Request) -> Runtime:
+# The dependencies are ``async def`` although they never await: FastAPI runs a plain ``def``
+# dependency in its thread pool, a thread hop per request and dependency (measured: ~6% of the
+# event loop's time under 32 clients, in CPU taken from the network on 2 cores).
+def runtime_of(request: Request) -> Runtime:
+    """The app's :class:`Runtime` (the hot routes call it directly, resolving no dependency)."""
     runtime: Runtime = request.app.state.runtime
     return runtime
+
+
+async def get_runtime(request: Request) -> Runtime:
+    """:func:`runtime_of` as a route dependency."""
+    return runtime_of(request)
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
@@ -55,14 +64,19 @@ def client_of(request: Request, runtime: Runtime) -> str:
     return client_key(_presented_key(request) if use_key else None, address)
 
 
-def require_api_key(request: Request, runtime: RuntimeDep) -> None:
+def check_api_key(request: Request, runtime: Runtime) -> None:
     """When ``LAPGUARD_API_KEY`` is set, inference needs ``X-API-Key: KEY`` or ``Authorization: Bearer KEY``."""
     expected = runtime.settings.api_key
     if expected is not None:
         _check_key(request, expected, "API key")
 
 
-def require_admin_key(request: Request, runtime: RuntimeDep) -> None:
+async def require_api_key(request: Request, runtime: RuntimeDep) -> None:
+    """:func:`check_api_key` as a route dependency."""
+    check_api_key(request, runtime)
+
+
+async def require_admin_key(request: Request, runtime: RuntimeDep) -> None:
     """Admin routes need ``LAPGUARD_ADMIN_KEY`` (or, when unset, ``LAPGUARD_API_KEY``), sent like
     the API key; with neither configured they are refused (403)."""
     settings = runtime.settings
@@ -77,6 +91,10 @@ def require_admin_key(request: Request, runtime: RuntimeDep) -> None:
 
 #: ``dependencies=`` of the routes behind the API key, and of the admin routes.
 API_KEY_REQUIRED: list[Dependency] = [*_KEY_SCHEMES, Depends(require_api_key)]
+#: The OpenAPI ``security`` of a route behind the API key (the schemes of ``_KEY_SCHEMES``), for
+#: the inference routes, which call :func:`check_api_key` themselves: resolving dependencies
+#: cost ~20% of the event loop's time per single-image request.
+API_KEY_SECURITY: list[dict[str, list[str]]] = [{"ApiKey": []}, {"Bearer": []}]
 ADMIN_KEY_REQUIRED: list[Dependency] = [*_KEY_SCHEMES, Depends(require_admin_key)]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from detector.images import decode_image
+from detector.images import decode_image, image_pixels
 from tests.service_helpers import decompression_bomb, encode, ico_image
 
 
@@ -45,3 +45,16 @@ def test_decode_image_refuses_before_decoding() -> None:
     for bad in (b"", b"not an image", encode(noise)[:300]):
         with pytest.raises(InputError):
             decode_image(bad, max_pixels=10_000)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "BMP"])
+@pytest.mark.parametrize("shape", [(28, 28), (5, 300), (233, 300, 3)])
+def test_image_pixels_reads_the_header(fmt: str, shape: tuple[int, ...]) -> None:
+    """PNG sizes come from the IHDR bytes, the others from Pillow: both give width x height."""
+    assert image_pixels(encode(np.zeros(shape, np.uint8), fmt)) == shape[0] * shape[1]
+
+
+def test_image_pixels_of_what_is_not_an_image_is_zero() -> None:
+    png = encode(np.zeros((4, 4), np.uint8), "PNG")
+    for data in (b"", png[:8], png[:20], b"not an image at all"):
+        assert image_pixels(data) == 0

@@ -12,7 +12,7 @@ from PIL import Image
 
 from detector.explain import CleanBand, Gallery
 from detector.guard import Guard, GuardResult
-from service.deps import API_KEY_REQUIRED, RuntimeDep
+from service.deps import API_KEY_REQUIRED, RuntimeDep, runtime_of
 from service.errors import NotFoundError
 from service.routes.inference import inference_route
 from service.routes.predict import IMAGES_BODY, predictions, score_request
@@ -38,7 +38,8 @@ router = APIRouter(tags=["explain"])
     openapi_extra=IMAGES_BODY,
     summary="as /v1/predict, plus each image's per-block features against the clean band of its class",
 )
-async def explain(request: Request, runtime: RuntimeDep) -> ExplainResponse:
+async def explain(request: Request) -> ExplainResponse:
+    runtime = runtime_of(request)
     result, filenames, query_attack = await score_request(request, runtime)
     served = getattr(result, "served", None)
     guard: Guard = served.guard if served is not None else runtime.require_guard()

@@ -1,4 +1,8 @@
-"""How an inference endpoint is registered: POST, the API key required, the error answers documented."""
+"""How an inference endpoint is registered: POST, the API key required, the error answers documented.
+
+The hot routes resolve no FastAPI dependency per request (that machinery cost about a fifth of the
+event loop's time per single-image request): the endpoint calls :func:`service.deps.check_api_key`
+first, and the key's schemes are documented through ``openapi_extra``."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter
 
-from service.deps import API_KEY_REQUIRED
+from service.deps import API_KEY_SECURITY
 from service.schemas import ERROR_RESPONSES
 
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
@@ -22,7 +26,8 @@ def inference_route(
     responses: dict[int | str, dict[str, Any]] = ERROR_RESPONSES,
 ) -> Callable[[Endpoint], Endpoint]:
     """A decorator registering its endpoint on ``router`` as ``POST`` on each of ``paths``, in
-    order, behind the API key, with its error answers (``responses``, by default
+    order, documented as behind the API key (the endpoint must call
+    :func:`service.deps.check_api_key` first), with its error answers (``responses``, by default
     ``ERROR_RESPONSES``) in the OpenAPI document."""
 
     def register(endpoint: Endpoint) -> Endpoint:
@@ -33,8 +38,7 @@ def inference_route(
                 methods=["POST"],
                 response_model=response_model,
                 responses=responses,
-                dependencies=API_KEY_REQUIRED,
-                openapi_extra=openapi_extra,
+                openapi_extra={**openapi_extra, "security": API_KEY_SECURITY},
                 summary=summary,
             )
         return endpoint

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from detector.errors import InputError, InputTooLargeError, UnsupportedMediaError
 from detector.guard import GuardResult
-from service.deps import RuntimeDep, client_of
+from service.deps import check_api_key, client_of, runtime_of
 from service.openapi import component_ref
 from service.routes.inference import inference_route
 from service.runtime import Runtime
@@ -50,7 +50,8 @@ _ACCEPTED_PART_TYPES = ("image/", "application/octet-stream")
     openapi_extra=IMAGES_BODY,
     summary="classify images and flag adversarial / out-of-distribution ones",
 )
-async def predict(request: Request, runtime: RuntimeDep) -> PredictResponse:
+async def predict(request: Request) -> PredictResponse:
+    runtime = runtime_of(request)
     result, filenames, query_attack = await score_request(request, runtime)
     name, version = runtime.answered_by(result)  # the bundle that computed it, across a reload
     return PredictResponse(
@@ -64,6 +65,7 @@ async def score_request(
 ) -> tuple[GuardResult, list[str | None], np.ndarray]:
     """The body's images scored (micro-batched) and screened for query attacks: (result, each
     image's filename, each image's ``query_attack``). Shared by ``/v1/predict`` and ``/v1/explain``."""
+    check_api_key(request, runtime)
     runtime.check_ready()  # refuse before reading the body
     client = client_of(request, runtime)
     await runtime.admit_client(client)

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request, Response
 
 import detector
 from detector.errors import InputError, UnsupportedMediaError
-from service.deps import RuntimeDep, client_of
+from service.deps import RuntimeDep, check_api_key, client_of, runtime_of
 from service.errors import ModelNotFoundError
 from service.inference_protocol import (
     BINARY_MEDIA_TYPE,
@@ -177,9 +177,9 @@ _INFER_BODY = {
     openapi_extra=_INFER_BODY,
     responses={200: {"content": {BINARY_MEDIA_TYPE: _BINARY_TENSORS}}, **_INFER_ERRORS},
 )
-async def infer(
-    request: Request, runtime: RuntimeDep, name: str, version: str | None = None
-) -> Response:
+async def infer(request: Request, name: str, version: str | None = None) -> Response:
+    runtime = runtime_of(request)
+    check_api_key(request, runtime)
     _check_model(runtime, name, version)
     runtime.check_ready()
     client = client_of(request, runtime)

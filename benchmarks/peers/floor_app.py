@@ -1,0 +1,90 @@
+"""The floor of ``benchmarks/service_peers.py``: a bare ASGI app (no framework, no validation, no
+metrics) under the same uvicorn as lapguard, that reads the body, decodes the PNGs and runs the
+Guard, batching what arrives while the Guard computes (as lapguard's micro-batcher does).
+
+    python benchmarks/peers/floor_app.py BUNDLE PORT
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from v2_images import decode_v2_images, v2_outputs  # noqa: E402
+
+from detector.guard import Guard  # noqa: E402
+
+MAX_BATCH = 64
+Pending = tuple[list[np.ndarray], "asyncio.Future[list[dict]]"]
+
+
+class Floor:
+    """The ASGI callable."""
+
+    def __init__(self, bundle: str) -> None:
+        self.guard = Guard.from_bundle(bundle, device="cpu")
+        self.guard.warmup()
+        self.queue: asyncio.Queue[Pending] = asyncio.Queue()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                asyncio.get_running_loop().create_task(self._batches())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: dict, receive: Any, send: Any) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        if scope["method"] == "GET":  # the readiness probe
+            await _answer(send, b'{"ready": true}')
+            return
+        future: asyncio.Future[list[dict]] = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait((decode_v2_images(body), future))
+        outputs = await future
+        await _answer(send, json.dumps({"model_name": "lapguard", "outputs": outputs}).encode())
+
+    async def _batches(self) -> None:
+        """Take what is queued (up to MAX_BATCH images), score it in a thread, hand out answers."""
+        while True:
+            items = [await self.queue.get()]
+            count = len(items[0][0])
+            while count < MAX_BATCH and not self.queue.empty():
+                items.append(self.queue.get_nowait())
+                count += len(items[-1][0])
+            images = [image for batch, _ in items for image in batch]
+            result = await asyncio.to_thread(self.guard.predict_images, images)
+            start = 0
+            for batch, future in items:
+                future.set_result(v2_outputs(result, start, start + len(batch)))
+                start += len(batch)
+
+
+async def _answer(send: Any, payload: bytes) -> None:
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+if __name__ == "__main__":
+    uvicorn.run(Floor(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning",
+                access_log=False, lifespan="on", server_header=False)  # fmt: skip

@@ -1,0 +1,33 @@
+"""The MLServer peer of ``benchmarks/service_peers.py``: a custom runtime serving the bundle's Guard
+over MLServer's Open Inference Protocol, with its adaptive batching on (set in model-settings.json
+by the benchmark). Runs in the peers' virtual environment."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import torch
+from mlserver import MLModel
+from mlserver.types import InferenceRequest, InferenceResponse, ResponseOutput
+from v2_images import decode_b64_images, v2_outputs
+
+from detector.guard import Guard
+
+
+class GuardRuntime(MLModel):
+    """``parameters.uri`` is the bundle directory."""
+
+    async def load(self) -> bool:
+        torch.set_num_threads(os.cpu_count() or 1)
+        self.guard = Guard.from_bundle(str(self.settings.parameters.uri), device="cpu")
+        self.guard.warmup()
+        return True
+
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        images = decode_b64_images(list(payload.inputs[0].data))
+        result = await asyncio.to_thread(self.guard.predict_images, images)
+        return InferenceResponse(
+            model_name=self.name,
+            outputs=[ResponseOutput(**output) for output in v2_outputs(result)],
+        )

@@ -1,0 +1,65 @@
+"""What the peer servers of ``benchmarks/service_peers.py`` share: the Open Inference Protocol body
+every server receives (one BYTES input ``image`` of base64 PNGs, as lapguard's ``/v2`` accepts it),
+read into decoded images, and the answer (``label``, ``flagged``, ``score``) written back."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import numpy as np
+
+from detector.guard import GuardResult
+from detector.images import decode_image
+
+#: The outputs every server answers with (lapguard is asked for these three by the request).
+OUTPUTS = ("label", "flagged", "score")
+
+
+def v2_body(pngs: list[bytes]) -> bytes:
+    """An inference request for ``pngs``: one BYTES input, base64 elements."""
+    request = {
+        "inputs": [
+            {
+                "name": "image",
+                "shape": [len(pngs)],
+                "datatype": "BYTES",
+                "data": [base64.b64encode(png).decode() for png in pngs],
+            }
+        ],
+        "outputs": [{"name": name} for name in OUTPUTS],
+    }
+    return json.dumps(request).encode()
+
+
+def decode_v2_images(body: bytes) -> list[np.ndarray]:
+    """The decoded images of a :func:`v2_body` request."""
+    tensor = json.loads(body)["inputs"][0]
+    return decode_b64_images(tensor["data"])
+
+
+def decode_b64_images(elements: list[Any]) -> list[np.ndarray]:
+    """Base64 PNG strings (or bytes) -> uint8 images."""
+    return [decode_image(base64.b64decode(element)) for element in elements]
+
+
+def v2_outputs(result: GuardResult, start: int = 0, stop: int | None = None) -> list[dict]:
+    """The three output tensors for images ``start:stop`` of ``result``."""
+    rows = slice(start, stop)
+    labels = result.labels[rows]
+    return [
+        {"name": "label", "datatype": "INT64", "shape": [len(labels)], "data": labels.tolist()},
+        {
+            "name": "flagged",
+            "datatype": "BOOL",
+            "shape": [len(labels)],
+            "data": result.flagged[rows].tolist(),
+        },
+        {
+            "name": "score",
+            "datatype": "FP32",
+            "shape": [len(labels)],
+            "data": result.scores[rows].tolist(),
+        },
+    ]

@@ -1,0 +1,182 @@
+"""lapguard against the servers a user would otherwise pick, on the same cores, model and load.
+
+    python benchmarks/service_peers.py --bundle runs/quick/bundle [--seconds 15] [--rounds 2]
+
+The same bundle's Guard is served, one server at a time, by
+  * lapguard   — ``lapguard serve`` (its ``/v2`` inference route, defaults as shipped);
+  * mlserver   — MLServer, a custom runtime (``peers/mlserver_runtime.py``), adaptive batching on;
+  * ray-serve  — Ray Serve, a deployment whose ``@serve.batch`` method runs the Guard;
+  * floor      — a bare ASGI app under the same uvicorn (``peers/floor_app.py``): read the body,
+    decode the PNGs, batch what arrives while the Guard computes, answer; nothing else.
+Every server receives the same Open Inference Protocol body (a BYTES input of base64 PNGs) and
+answers label, flagged and score; the benchmark first checks that each one's answer equals the
+in-process Guard's. Load comes from ``wrk`` (C, one thread): 1 and 32 concurrent single-image
+clients and 4 clients of 64-image requests, ``--seconds`` each after a warm-up. Servers are run in
+turn, ``--rounds`` times, the order reversed every round (drift on this machine is minutes long);
+the table gives each figure's median over rounds and the ratios lapguard / best peer and lapguard
+/ floor. MLServer and Ray are installed by the benchmark into ``--peers-venv`` (which sees the
+product's packages for torch), so the product's dependencies stay lean. Run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_servers import SERVERS, PeerServer, ensure_peers_venv  # noqa: E402
+from peers.v2_images import v2_body  # noqa: E402
+from service_throughput import sample_pngs  # noqa: E402
+from wrk_load import ensure_wrk, run_wrk  # noqa: E402
+
+from detector.guard import Guard  # noqa: E402
+
+#: (name, concurrent clients, images per request)
+SCENARIOS = (("1 client", 1, 1), ("32 clients", 32, 1), ("4 x 64 images", 4, 64))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--seconds", type=float, default=15.0, help="measured load per scenario")
+    p.add_argument("--warmup", type=float, default=4.0, help="unmeasured load before each one")
+    p.add_argument("--rounds", type=int, default=2, help="passes over the servers")
+    p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated subset")
+    p.add_argument("--peers-venv", type=Path, default=Path(".venv-peers"))
+    p.add_argument("--out", type=Path, help="write results.json and table.md here")
+    return p.parse_args()
+
+
+def check_answers(server: PeerServer, guard: Guard, pngs: list[bytes]) -> None:
+    """The server's labels and scores for ``pngs`` equal the in-process Guard's."""
+    answer = httpx.post(server.infer_url, content=v2_body(pngs), timeout=60,
+                        headers={"content-type": "application/json"})  # fmt: skip
+    answer.raise_for_status()
+    outputs = {o["name"]: o["data"] for o in answer.json()["outputs"]}
+    expected = guard.predict_images([guard_decode(png) for png in pngs])
+    if outputs["label"] != expected.labels.tolist():
+        raise SystemExit(f"{server.name} answers other labels than the Guard")
+    if not np.allclose(outputs["score"], expected.scores, rtol=1e-4, atol=1e-5):
+        raise SystemExit(f"{server.name} answers other scores than the Guard")
+
+
+def guard_decode(png: bytes) -> np.ndarray:
+    from detector.images import decode_image
+
+    return decode_image(png)
+
+
+def measure_server(
+    server: PeerServer, bodies: dict[int, bytes], args: argparse.Namespace
+) -> dict[str, dict[str, float]]:
+    """Each scenario's wrk figures on a running server (images/s added)."""
+    figures = {}
+    for name, clients, images in SCENARIOS:
+        body = bodies[images]
+        run_wrk(server.infer_url, body, "application/json", clients=clients, seconds=args.warmup)
+        result = run_wrk(
+            server.infer_url, body, "application/json", clients=clients, seconds=args.seconds
+        )
+        result["images_per_s"] = result["rate"] * images
+        figures[name] = result
+        bad = result["errors"] + result["socket_errors"]
+        print(f"  {server.name:10s} {name:14s} {result['images_per_s']:8.1f} images/s  "
+              f"p50 {result['p50']:7.2f} ms  p99 {result['p99']:7.2f} ms"
+              + (f"  ({bad:.0f} errors)" if bad else ""), flush=True)  # fmt: skip
+    return figures
+
+
+def median_figures(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per scenario and figure, the median over rounds."""
+    return {
+        name: {key: statistics.median(run[name][key] for run in runs) for key in runs[0][name]}
+        for name, _, _ in SCENARIOS
+    }
+
+
+def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The markdown table: images/s and p50/p99 per server and scenario, then the ratios."""
+    lines = [
+        "| server | " + " | ".join(f"{n}: images/s, p50 / p99 ms" for n, _, _ in SCENARIOS) + " |"
+    ]
+    lines.append("|---" * (len(SCENARIOS) + 1) + "|")
+    for server, figures in results.items():
+        cells = [f"{f['images_per_s']:,.0f}, {f['p50']:.2f} / {f['p99']:.2f}"
+                 for f in (figures[n] for n, _, _ in SCENARIOS)]  # fmt: skip
+        lines.append(f"| {server} | " + " | ".join(cells) + " |")
+    lines += ["", *ratio_lines(results)]
+    return "\n".join(lines)
+
+
+def ratio_lines(results: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    """lapguard / best peer and lapguard / floor (throughput), and the 1-client p50s."""
+    if "lapguard" not in results:
+        return []
+    ours = results["lapguard"]
+    peers = {k: v for k, v in results.items() if k not in ("lapguard", "floor")}
+    lines = []
+    for name, _, _ in SCENARIOS:
+        parts = []
+        if peers:
+            best = max(peers, key=lambda p: peers[p][name]["images_per_s"])
+            ratio = ours[name]["images_per_s"] / peers[best][name]["images_per_s"]
+            parts.append(f"lapguard / best peer ({best}) {ratio:.2f}")
+        if "floor" in results:
+            ratio = ours[name]["images_per_s"] / results["floor"][name]["images_per_s"]
+            parts.append(f"lapguard / floor {ratio:.2f}")
+        lines.append(f"- {name}: " + ", ".join(parts))
+    if peers:
+        best = min(peers, key=lambda p: peers[p]["1 client"]["p50"])
+        lines.append(f"- p50 at 1 client: lapguard {ours['1 client']['p50']:.2f} ms, best peer "
+                     f"({best}) {peers[best]['1 client']['p50']:.2f} ms")  # fmt: skip
+    return lines
+
+
+def main() -> None:
+    args = parse_args()
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    unknown = set(names) - set(SERVERS)
+    if unknown:
+        raise SystemExit(f"unknown servers {sorted(unknown)}; choose from {', '.join(SERVERS)}")
+    ensure_wrk()
+    peers_python = (
+        ensure_peers_venv(args.peers_venv) if {"mlserver", "ray-serve"} & set(names) else None
+    )
+    guard = Guard.from_bundle(args.bundle, device="cpu")
+    pngs = sample_pngs(guard, 64)
+    bodies = {1: v2_body(pngs[:1]), 64: v2_body(pngs)}
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {name: [] for name in names}
+    started = time.monotonic()
+    for round_ in range(args.rounds):
+        order = names if round_ % 2 == 0 else names[::-1]
+        print(f"round {round_ + 1}/{args.rounds}: {', '.join(order)}", flush=True)
+        for name in order:
+            with SERVERS[name](args.bundle, peers_python) as server:
+                check_answers(server, guard, pngs[:8])
+                runs[name].append(measure_server(server, bodies, args))
+    results = {name: median_figures(figures) for name, figures in runs.items()}
+    text = table(results)
+    print(f"\nmedians over {args.rounds} rounds ({time.monotonic() - started:.0f} s in all):\n")
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(
+            json.dumps({"runs": runs, "medians": results}, indent=1)
+        )
+        (args.out / "table.md").write_text(text + "\n")
+        print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except subprocess.CalledProcessError as error:
+        raise SystemExit(f"{error.cmd[0]} failed: {error.stderr or error}") from None
