@@ -62,8 +62,11 @@ class PeerServer:
 
     name = ""
 
-    def __init__(self, bundle: Path, peers_python: Path | None) -> None:
+    def __init__(
+        self, bundle: Path, peers_python: Path | None, torch_threads: int | None = None
+    ) -> None:
         self.bundle, self.peers_python = bundle.resolve(), peers_python
+        self.env = {"LAPGUARD_TORCH_THREADS": str(torch_threads)} if torch_threads else {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
@@ -80,7 +83,7 @@ class PeerServer:
         raise NotImplementedError
 
     def __enter__(self) -> PeerServer:
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{PEERS}"}
+        env = {**os.environ, **self.env, "PYTHONPATH": f"{ROOT}{os.pathsep}{PEERS}"}
         self.process = subprocess.Popen(
             self.command(), cwd=ROOT, env=env, stdout=self.log, stderr=self.log,
             start_new_session=True,
@@ -131,7 +134,7 @@ class Lapguard(PeerServer):
     ready_path = "/readyz"
 
     def __enter__(self) -> PeerServer:
-        self.process, self.url = start_server(self.bundle, flags=[])
+        self.process, self.url = start_server(self.bundle, flags=[], env=self.env)
         self.infer_path = f"/v2/models/{model_name(self.bundle)}/infer"
         return self
 

@@ -50,6 +50,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=4.0, help="unmeasured load before each one")
     p.add_argument("--rounds", type=int, default=2, help="passes over the servers")
     p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated subset")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        help="the forward pass's threads in every server (LAPGUARD_TORCH_THREADS; default cores)",
+    )
     p.add_argument("--peers-venv", type=Path, default=Path(".venv-peers"))
     p.add_argument("--out", type=Path, help="write results.json and table.md here")
     return p.parse_args()
@@ -159,7 +164,7 @@ def main() -> None:
         order = names if round_ % 2 == 0 else names[::-1]
         print(f"round {round_ + 1}/{args.rounds}: {', '.join(order)}", flush=True)
         for name in order:
-            with SERVERS[name](args.bundle, peers_python) as server:
+            with SERVERS[name](args.bundle, peers_python, args.torch_threads) as server:
                 check_answers(server, guard, pngs[:8])
                 runs[name].append(measure_server(server, bodies, args))
     results = {name: median_figures(figures) for name, figures in runs.items()}

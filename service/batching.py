@@ -60,8 +60,10 @@ class MicroBatcher:
         max_wait_s: float,
         max_queue: int,
         metrics: Metrics | None = None,
+        worker_setup: Callable[[], object] | None = None,
     ) -> None:
         self._predictor = predictor
+        self._worker_setup = worker_setup  # run once in the batch thread, before any batch
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
@@ -79,7 +81,9 @@ class MicroBatcher:
     def start(self) -> None:
         if self._task is not None:
             return
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lapguard-guard")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="lapguard-guard", initializer=self._worker_setup
+        )
         self._task = asyncio.get_running_loop().create_task(self._run(), name="lapguard-batcher")
 
     async def close(self, timeout: float) -> None:

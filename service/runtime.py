@@ -107,6 +107,9 @@ class Runtime:
             max_wait_s=s.max_wait_ms / 1000.0,
             max_queue=s.max_queue,
             metrics=self.metrics,
+            # torch's thread count is per thread once a thread has used it: set it where the
+            # forward passes run
+            worker_setup=partial(torch.set_num_threads, s.torch_threads) if s.torch_threads else None,
         )
         self.batcher.start()
         logger.info(

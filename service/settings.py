@@ -56,6 +56,14 @@ class Settings(BaseSettings):
     max_queue: int = Field(
         default=512, ge=1, description="most images waiting; more are answered 429"
     )
+    torch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "threads of the network's forward pass (torch intra-op); unset, torch's default "
+            "(one per core). The event loop needs a core of its own under load"
+        ),
+    )
 
     # Request limits
     max_body_bytes: int = Field(

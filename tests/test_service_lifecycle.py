@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import torch
 
 from service.settings import Settings
 from tests.live_server import LiveServer
@@ -118,3 +119,31 @@ def test_health_and_metrics_answer_while_the_model_computes(service_bundle, guar
             assert time.perf_counter() - start < 1.0, f"{path} waited for the forward pass"
         assert not busy.done()  # the forward pass (3 s) was still running
         assert busy.result(timeout=30).status_code == 200
+
+
+class ThreadsProbeGuard(SlowGuard):
+    """The real Guard, recording torch's thread count where each forward pass runs."""
+
+    def __init__(self, guard) -> None:
+        super().__init__(guard, 0.0)
+        self.threads: list[int] = []
+
+    def predict(self, x):
+        self.threads.append(torch.get_num_threads())
+        return self._guard.predict(x)
+
+
+def test_torch_threads_sets_the_forward_passes_threads(service_bundle, guard, images) -> None:
+    """``torch_threads`` (LAPGUARD_TORCH_THREADS, ``--torch-threads``) is the thread count of
+    the forward passes (set in the batch thread: torch's count is per thread once used)."""
+    probe = ThreadsProbeGuard(guard)
+    before = torch.get_num_threads()
+    wanted = 1 if before > 1 else 2
+    settings = Settings(bundle=service_bundle, torch_threads=wanted, warmup=False)
+    try:
+        with LiveServer(settings, guard=probe) as live, httpx.Client(base_url=live.url) as c:
+            response = c.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")})
+            assert response.status_code == 200
+        assert probe.threads and set(probe.threads) == {wanted}
+    finally:
+        torch.set_num_threads(before)

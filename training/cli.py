@@ -513,6 +513,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-wait-ms", type=float, default=None, help="longest wait to fill a batch")
     p.add_argument("--max-queue", type=int, default=None, help="most images waiting before 429")
     p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="threads of the forward pass (default: cores)",
+    )
+    p.add_argument(
         "--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"]
     )
     p.set_defaults(handler=_run_serve)
@@ -526,6 +532,7 @@ SERVE_FLAGS = (
     "max_batch_size",
     "max_wait_ms",
     "max_queue",
+    "torch_threads",
     "log_level",
 )
 

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from v2_images import decode_v2_images, v2_outputs  # noqa: E402
+from v2_images import decode_v2_images, torch_threads, v2_outputs  # noqa: E402
 
 from detector.guard import Guard  # noqa: E402
 
@@ -29,6 +30,7 @@ class Floor:
     """The ASGI callable."""
 
     def __init__(self, bundle: str) -> None:
+        torch.set_num_threads(torch_threads())
         self.guard = Guard.from_bundle(bundle, device="cpu")
         self.guard.warmup()
         self.queue: asyncio.Queue[Pending] = asyncio.Queue()

@@ -5,12 +5,11 @@ by the benchmark). Runs in the peers' virtual environment."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import torch
 from mlserver import MLModel
 from mlserver.types import InferenceRequest, InferenceResponse, ResponseOutput
-from v2_images import decode_b64_images, v2_outputs
+from v2_images import decode_b64_images, torch_threads, v2_outputs
 
 from detector.guard import Guard
 
@@ -19,7 +18,7 @@ class GuardRuntime(MLModel):
     """``parameters.uri`` is the bundle directory."""
 
     async def load(self) -> bool:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(torch_threads())
         self.guard = Guard.from_bundle(str(self.settings.parameters.uri), device="cpu")
         self.guard.warmup()
         return True

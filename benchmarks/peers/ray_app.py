@@ -20,7 +20,7 @@ from ray import serve
 from starlette.requests import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from v2_images import decode_v2_images, v2_outputs  # noqa: E402
+from v2_images import decode_v2_images, torch_threads, v2_outputs  # noqa: E402
 
 from detector.guard import Guard  # noqa: E402
 
@@ -30,7 +30,7 @@ CPUS = os.cpu_count() or 1
 @serve.deployment(ray_actor_options={"num_cpus": CPUS}, max_ongoing_requests=256)
 class GuardDeployment:
     def __init__(self, bundle: str) -> None:
-        torch.set_num_threads(CPUS)  # Ray sets OMP_NUM_THREADS=num_cpus; say it explicitly
+        torch.set_num_threads(torch_threads())  # Ray sets OMP_NUM_THREADS=num_cpus otherwise
         self.guard = Guard.from_bundle(bundle, device="cpu")
         self.guard.warmup()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,12 @@ from detector.images import decode_image
 
 #: The outputs every server answers with (lapguard is asked for these three by the request).
 OUTPUTS = ("label", "flagged", "score")
+
+
+def torch_threads() -> int:
+    """The forward pass's threads, as ``lapguard serve`` takes them: ``LAPGUARD_TORCH_THREADS``,
+    else one per core (the benchmark gives every server the same)."""
+    return int(os.environ.get("LAPGUARD_TORCH_THREADS") or os.cpu_count() or 1)
 
 
 def v2_body(pngs: list[bytes]) -> bytes:
