@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--torch-threads",
         type=int,
-        help="the forward pass's threads in every server (LAPGUARD_TORCH_THREADS; default cores)",
+        help="the forward pass's threads in every server (LAPGUARD_TORCH_THREADS; default lapguard's)",
     )
     p.add_argument("--peers-venv", type=Path, default=Path(".venv-peers"))
     p.add_argument("--out", type=Path, help="write results.json and table.md here")

@@ -42,7 +42,7 @@ from service.query_memory import (
     RedisStore,
 )
 from service.reload import ServedBundle, check_compatible, load_served
-from service.settings import Settings
+from service.settings import Settings, default_torch_threads
 
 if TYPE_CHECKING:
     from detector.guard import Guard
@@ -82,6 +82,11 @@ class Runtime:
         self._reload_lock = asyncio.Lock()
 
     @property
+    def torch_threads(self) -> int:
+        """Threads of the forward pass: the setting, else :func:`default_torch_threads`."""
+        return self.settings.torch_threads or default_torch_threads()
+
+    @property
     def guard(self) -> Guard | None:
         """The Guard that answers now (a reload replaces :attr:`served`, never mutates it)."""
         return self.served.guard if self.served is not None else None
@@ -91,6 +96,10 @@ class Runtime:
         """Load the bundle (a bad one raises and stops start-up), start batching, warm up in the
         background; ``/readyz`` answers 200 once warm-up is done."""
         served = self.served
+        # Before any thread runs torch: threads created later (loading, warm-up, the batch
+        # thread) start from this count; the batch thread sets it again in case torch ran
+        # before (an app embedded in a process that used torch already).
+        torch.set_num_threads(self.torch_threads)
         try:
             if served is None:
                 served = await anyio.to_thread.run_sync(self._load)

@@ -13,6 +13,7 @@ import numpy as np
 
 from detector.guard import GuardResult
 from detector.images import decode_image
+from service.settings import default_torch_threads
 
 #: The outputs every server answers with (lapguard is asked for these three by the request).
 OUTPUTS = ("label", "flagged", "score")
@@ -20,8 +21,8 @@ OUTPUTS = ("label", "flagged", "score")
 
 def torch_threads() -> int:
     """The forward pass's threads, as ``lapguard serve`` takes them: ``LAPGUARD_TORCH_THREADS``,
-    else one per core (the benchmark gives every server the same)."""
-    return int(os.environ.get("LAPGUARD_TORCH_THREADS") or os.cpu_count() or 1)
+    else its default (the benchmark gives every server the same)."""
+    return int(os.environ.get("LAPGUARD_TORCH_THREADS") or default_torch_threads())
 
 
 def v2_body(pngs: list[bytes]) -> bytes:
