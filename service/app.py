@@ -52,9 +52,10 @@ def create_app(settings: Settings | None = None, guard: Guard | None = None) -> 
     # Added innermost first: the request context (ids, log, metrics) wraps the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestContextMiddleware, metrics=runtime.metrics)
-    app.include_router(health.router)
+    # The inference routes first: a request is matched against the routes in this order.
     app.include_router(predict.router)
     app.include_router(v2.router)
+    app.include_router(health.router)
     app.include_router(admin.router)
     app.include_router(explain.router)
     app.include_router(page.router)

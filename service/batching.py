@@ -224,10 +224,15 @@ class MicroBatcher:
             return
         self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
         self._observe(done, result, started, seconds)
+        if len(done) == 1:  # the whole result is the one request's
+            if not done[0].future.done():
+                done[0].future.set_result(result)
+            return
+        names = _row_fields(result)
         offset = 0
         for job in done:
             if not job.future.done():
-                job.future.set_result(slice_result(result, offset, offset + job.size))
+                job.future.set_result(slice_result(result, offset, offset + job.size, names))
             offset += job.size
 
     def _compute(
@@ -265,9 +270,7 @@ class MicroBatcher:
         m.batch_size.observe(sum(job.size for job in jobs))
         m.batch_seconds.observe(seconds)
         for job in jobs:
-            wait = started - job.enqueued
-            for _ in range(job.size):
-                m.queue_seconds.observe(wait)
+            m.queue_seconds.observe(started - job.enqueued)
         scores = np.asarray(result.scores, dtype=np.float64)
         m.images.inc(len(scores))
         m.flagged.inc(int(np.count_nonzero(result.flagged)))
@@ -296,9 +299,12 @@ def _row_fields(result: GuardResult) -> list[str]:
     return names
 
 
-def slice_result(result: GuardResult, start: int, stop: int) -> GuardResult:
-    """Rows ``start:stop`` of a batch result (every per-image field is sliced)."""
-    names = _row_fields(result)
+def slice_result(
+    result: GuardResult, start: int, stop: int, names: list[str] | None = None
+) -> GuardResult:
+    """Rows ``start:stop`` of a batch result (every per-image field, ``names`` when the caller
+    has them from :func:`_row_fields`, is sliced)."""
+    names = _row_fields(result) if names is None else names
     return dataclasses.replace(
         result, **{name: getattr(result, name)[start:stop] for name in names}
     )

@@ -55,7 +55,7 @@ class Metrics:
         )
         self.queue_seconds = self._histogram(
             "lapguard_queue_wait_seconds",
-            "time an image waited before its batch ran",
+            "time a request waited before its batch ran",
             _LATENCY_BUCKETS,
         )
         self.queue_depth = Gauge("lapguard_queue_images", "images waiting for a batch", registry=r)

@@ -72,20 +72,21 @@ class RequestContextMiddleware(HttpMiddleware):
             self.metrics.requests.labels(template, method, str(status)).inc()
             self.metrics.latency.labels(template, method, str(status)).observe(seconds)
             level = logging.DEBUG if template in _QUIET_ROUTES and status < 400 else logging.INFO
-            client = scope.get("client")
-            logger.log(
-                level,
-                "request",
-                extra={
-                    "request_id": request_id,
-                    "method": method,
-                    "path": scope.get("path", ""),
-                    "route": template,
-                    "status": status,
-                    "duration_ms": round(seconds * 1000, 3),
-                    "client": client[0] if client else None,
-                },
-            )
+            if logger.isEnabledFor(level):
+                client = scope.get("client")
+                logger.log(
+                    level,
+                    "request",
+                    extra={
+                        "request_id": request_id,
+                        "method": method,
+                        "path": scope.get("path", ""),
+                        "route": template,
+                        "status": status,
+                        "duration_ms": round(seconds * 1000, 3),
+                        "client": client[0] if client else None,
+                    },
+                )
             request_id_var.reset(token)
 
 

@@ -460,7 +460,13 @@ class Runtime:
 
 
 def _prepare_named(guard: Guard, arrays: list[np.ndarray], names: list[str]) -> torch.Tensor:
-    """``guard.prepare`` image by image, naming the image in an error."""
+    """``guard.prepare`` of the images, naming the image at fault in an error. Images of one
+    shape go in one vectorised call (per image, 64 images cost the batch thread ~2 ms more)."""
+    if len(arrays) > 1 and len({(a.shape, a.dtype) for a in arrays}) == 1:
+        try:
+            return guard.prepare(np.stack(arrays))
+        except InputError:
+            pass  # image by image below, to name the one at fault
     prepared = []
     for array, name in zip(arrays, names, strict=True):
         try:

@@ -1,20 +1,41 @@
 """How an inference endpoint is registered: POST, the API key required, the error answers documented.
 
-The hot routes resolve no FastAPI dependency per request (that machinery cost about a fifth of the
-event loop's time per single-image request): the endpoint calls :func:`service.deps.check_api_key`
-first, and the key's schemes are documented through ``openapi_extra``."""
+The hot routes skip FastAPI's per-request machinery (dependencies, parameter parsing, response
+validation: ~40% of the event loop's CPU per single-image request): :class:`LeanRoute` calls the
+endpoint with the request and its path parameters, the endpoint reads its own body, calls
+:func:`service.deps.check_api_key` first and returns a pydantic model or a ``Response``. FastAPI
+still documents the route (``response_model``, ``openapi_extra``, the key's schemes)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 
 from service.deps import API_KEY_SECURITY
 from service.schemas import ERROR_RESPONSES
 
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
+
+
+class LeanRoute(APIRoute):
+    """An API route whose handler is the endpoint itself: ``endpoint(request, **path_params)``."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        endpoint = self.endpoint
+
+        async def handle(request: Request) -> Response:
+            answer = await endpoint(request, **request.path_params)
+            if isinstance(answer, BaseModel):
+                return Response(answer.model_dump_json(), media_type="application/json")
+            if not isinstance(answer, Response):
+                raise TypeError(f"{endpoint.__name__} returned {type(answer).__name__}")
+            return answer
+
+        return handle
 
 
 def inference_route(
@@ -39,6 +60,7 @@ def inference_route(
                 response_model=response_model,
                 responses=responses,
                 openapi_extra={**openapi_extra, "security": API_KEY_SECURITY},
+                route_class_override=LeanRoute,
                 summary=summary,
             )
         return endpoint
