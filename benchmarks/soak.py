@@ -174,7 +174,8 @@ def build_requests(pngs: list[bytes], model: str, max_body: int) -> dict[str, li
 @dataclasses.dataclass(slots=True)
 class Record:
     """One request: when it began, when its whole body was handed to the kernel (nan: never),
-    when it ended, and its status (0: no response; then ``outcome`` says how it ended)."""
+    when it ended, its status (0: no response; then ``outcome`` says how it ended) and the
+    status of the previous response on its connection (0: a new connection)."""
 
     kind: str
     begin: float
@@ -182,6 +183,7 @@ class Record:
     end: float
     status: int = 0
     outcome: str = ""
+    previous: int = 0
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
@@ -210,14 +212,16 @@ class Client:
         self.host, self.port, self.timeout = host, port, timeout
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._previous = 0  # status of the last response on this connection
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
         self._reader = self._writer = None
+        self._previous = 0
 
     async def send(self, kind: str, raw: bytes) -> Record:
-        record = Record(kind, time.monotonic(), math.nan, math.nan)
+        record = Record(kind, time.monotonic(), math.nan, math.nan, previous=self._previous)
         try:
             await asyncio.wait_for(self._exchange(record, raw), self.timeout)
         except asyncio.TimeoutError:
@@ -250,6 +254,7 @@ class Client:
             return
         finally:
             response.cancel()
+        self._previous = record.status
         if closing or math.isnan(record.sent):
             self.close()
 
@@ -453,6 +458,13 @@ def stop_accounting(records: list[Record], t_stop: float) -> dict:
         "still_sending_outcomes": dict(Counter(label(r) for r in in_flight if not r.sent < t_stop)),
         "lost": sum(1 for r in accepted if not r.status),
         "after_stop_outcomes": dict(Counter(label(r) for r in after)),
+        "after_stop_unanswered_by_previous": dict(
+            Counter(
+                f"after {r.previous or 'a new connection'}"
+                for r in after
+                if not r.status and r.outcome != REFUSED
+            )
+        ),
         "unanswered_before_stop": sum(1 for r in records if r.end < t_stop and not r.status),
         "unexpected_5xx_after_stop": sum(1 for r in after if r.status >= 500 and r.status != 503),
     }
@@ -526,6 +538,8 @@ def print_summary(summary: dict) -> None:
           f"{g['accepted_outcomes']}; still sending: {g['still_sending_outcomes']}")  # fmt: skip
     print(f"  LOST (accepted, then no response): {g['lost']}")
     print(f"  begun after the SIGTERM: {g['after_stop_outcomes']}")
+    print(f"    unanswered, by the previous answer on their connection: "
+          f"{g['after_stop_unanswered_by_previous']}")  # fmt: skip
     print(f"  unanswered before the stop: {g['unanswered_before_stop']}")
     print(
         "\n"
