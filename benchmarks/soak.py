@@ -594,6 +594,10 @@ def run_soak(args: argparse.Namespace, process: subprocess.Popen, url: str) -> d
 
 def main() -> None:
     args = parse_args()
+    # Ctrl-C, and SIGTERM alike, raise KeyboardInterrupt: the server is stopped on the way out
+    # (also when this runs in the background, where a shell starts SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = machine_load()
     print(f"load before: {load_before}", flush=True)
@@ -601,6 +605,8 @@ def main() -> None:
     process, url = start_server(args.bundle, flags=["--device", args.device], env=env)
     try:
         result = run_soak(args, process, url)
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: the server is stopped, nothing written") from None
     finally:
         if process.poll() is None:  # Ctrl-C or an error: the server must not outlive us
             stop_server(process)
