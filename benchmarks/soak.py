@@ -8,14 +8,16 @@ A benchmark, not a test: it reports, it does not assert. `lapguard serve` runs i
 request after another, drawn from a seeded mix (:data:`MIX`): single-image PNG multipart
 ``POST /v1/predict`` (most), JSON base64, Open Inference Protocol BYTES, and requests that must be
 refused: a corrupt PNG (400), a text part (415), a 0-byte file (400), bad JSON (422) and a body
-over the server's ``--max-body-bytes`` (413).
+over the server's ``--max-body-bytes`` (413), declared up front or streamed in chunks.
 
 Every ``--window`` seconds it prints one row: the window's counts by status, p50/p99 latency of
 the valid requests, and the server's RSS (``/proc/PID/status`` VmRSS) and open file descriptors
 (``/proc/PID/fd``). At the end it sends SIGTERM while the clients keep sending, and accounts for
 every request in flight at that moment: a request *accepted* before the stop (its whole body sent
 before the SIGTERM) must end with a response (200, or 503 while draining); one that ends with the
-connection closed or a timeout instead is *lost*. Then it prints the final table and writes
+connection closed or a timeout instead is *lost*. Requests begun after the SIGTERM are counted
+apart: 503, refused, or closed unanswered when uvicorn's shutdown closes the connection they were
+sent on (an idle keep-alive one, or a new one not yet read), which no server-side change avoids. Then it prints the final table and writes
 ``soak.json`` and ``soak.png`` (latency and RSS over time) under ``--out``.
 
 The load generator is a minimal asyncio HTTP/1.1 client (uvloop when installed) in this process,
