@@ -17,7 +17,8 @@ every request in flight at that moment: a request *accepted* before the stop (it
 before the SIGTERM) must end with a response (200, or 503 while draining); one that ends with the
 connection closed or a timeout instead is *lost*. Requests begun after the SIGTERM are counted
 apart: 503, refused, or closed unanswered when uvicorn's shutdown closes the connection they were
-sent on (an idle keep-alive one, or a new one not yet read), which no server-side change avoids. Then it prints the final table and writes
+sent on (an idle keep-alive one, or a new one not yet read): the race of any close of a
+listener or a keep-alive connection, not a request the server had accepted. Then it prints the final table and writes
 ``soak.json`` and ``soak.png`` (latency and RSS over time) under ``--out``.
 
 The load generator is a minimal asyncio HTTP/1.1 client (uvloop when installed) in this process,
