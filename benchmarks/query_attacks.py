@@ -225,14 +225,14 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=100, help="distinct images per client")
     parser.add_argument("--skip-benign", action="store_true")
     parser.add_argument("--neighbours", type=int, default=None, help="LAPGUARD_QUERY_NEIGHBOURS")
-    parser.add_argument("--distance", type=float, default=None, help="LAPGUARD_QUERY_DISTANCE")
+    parser.add_argument("--levels", type=int, default=None, help="LAPGUARD_QUERY_LEVELS")
     args = parser.parse_args()
     images, labels = to_arrays(load_dataset("fashion-mnist", "test"))
     env = {"LAPGUARD_QUERY_MEMORY": "memory", "LAPGUARD_MAX_QUEUE": "4096"}
     if args.neighbours is not None:
         env["LAPGUARD_QUERY_NEIGHBOURS"] = str(args.neighbours)
-    if args.distance is not None:
-        env["LAPGUARD_QUERY_DISTANCE"] = str(args.distance)
+    if args.levels is not None:
+        env["LAPGUARD_QUERY_LEVELS"] = str(args.levels)
     bundle = args.bundle if args.bundle is not None else bundle_for(args.network)
     process, url = start_server(bundle, flags=[], env=env)
     try:
