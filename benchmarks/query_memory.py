@@ -249,7 +249,7 @@ def main() -> None:
                 history=args.stored,
                 width=embed.width,
                 ttl_s=60,
-                prefix=f"bench:{len(name)}:",
+                prefix=f"bench:{time.time_ns()}:",  # a fresh key: no rows of an earlier run
             )
             seconds = lookup_time(redis_store, settings, stored, queries, args.repeats // 5)
             print(f"redis observe, {args.stored} stored ({name}): median {seconds * 1e3:.3f} ms")

@@ -40,6 +40,8 @@ MAX_SIDE = 32
 MAX_PIXELS = 1024
 #: Signature rows are uint64 words: the digest, then the bit planes word by word.
 WORD = np.dtype(np.uint64)
+#: Rows compared on all pixels at a time, once the first word has picked the candidates.
+CHUNK = 256
 
 
 class QueryStoreError(ServiceError):
@@ -279,9 +281,8 @@ class QueryMemory:
         keep = np.zeros(len(queries), dtype=bool)
         for i, query in enumerate(queries):
             earlier = queries[:i][keep[:i]]
-            near = _neighbours(query, history, self.planes) + _neighbours(
-                query, earlier, self.planes
-            )
+            near = _neighbours(query, history, self.planes, self.neighbours)
+            near += _neighbours(query, earlier, self.planes, self.neighbours)
             flags[i] = near >= self.neighbours
             keep[i] = not (np.any(history[:, 0] == query[0]) or np.any(earlier[:, 0] == query[0]))
         self.store.add(client, queries[keep])
@@ -298,17 +299,22 @@ def far_pixels(query: np.ndarray, rows: np.ndarray, planes: int) -> np.ndarray:
     return far
 
 
-def _neighbours(query: np.ndarray, rows: np.ndarray, planes: int) -> int:
-    """How many rows are neighbours of the query. The first group of 64 pixels (a salted sample of
-    the whole image) rules out almost every distinct image at the cost of one word a plane; only
-    the rows it keeps are compared on all pixels."""
+def _neighbours(query: np.ndarray, rows: np.ndarray, planes: int, enough: int) -> int:
+    """How many rows are neighbours of the query, counted up to ``enough``. The first group of 64
+    pixels (a salted sample of the whole image) rules out almost every distinct image at the cost
+    of one word a plane; only the rows it keeps are compared on all pixels, a chunk at a time until
+    ``enough`` are found (a client whose history is one eps-ball costs one chunk, not 10,000 rows)."""
     if len(rows) == 0:
         return 0
     first = rows[:, : 1 + planes]
     candidates = np.flatnonzero(~far_pixels(query[: 1 + planes], first, planes).any(axis=1))
-    if len(candidates) == 0:
-        return 0
-    return int(np.count_nonzero(~far_pixels(query, rows[candidates], planes).any(axis=1)))
+    found = 0
+    for start in range(0, len(candidates), CHUNK):
+        chunk = rows[candidates[start : start + CHUNK]]
+        found += int(np.count_nonzero(~far_pixels(query, chunk, planes).any(axis=1)))
+        if found >= enough:
+            break
+    return found
 
 
 def nearest_far_pixels(signatures: np.ndarray, planes: int) -> np.ndarray:
