@@ -103,8 +103,14 @@ def run_attacks(url: str, model: str, images: np.ndarray, labels: np.ndarray, ar
     client_index = 0
     for name in args.attacks:
         found: list[int | None] = []
+        ended: list[int] = []
         started = time.perf_counter()
-        for image, label in zip(images[: args.runs], labels[: args.runs], strict=True):
+        for run, (image, label) in enumerate(
+            zip(images[: args.runs], labels[: args.runs], strict=True)
+        ):
+            # ART draws from numpy's global generator: seeded per run, a run sends the same
+            # queries under any detector settings, up to where it is stopped
+            np.random.seed(args.seed + run)
             transport = httpx.HTTPTransport(local_address=client_address(client_index))
             client_index += 1
             with httpx.Client(transport=transport, timeout=60) as client:
@@ -116,13 +122,14 @@ def run_attacks(url: str, model: str, images: np.ndarray, labels: np.ndarray, ar
                     _attack(name, classifier, args.eps).generate(image[None], y=np.eye(10)[[label]])
                 found.append(oracle.detected_at)
                 if oracle.detected_at is None:  # the attack ended first (Square: it succeeded)
-                    print(f"  {name}: attack ended undetected after {oracle.queries} queries")
+                    ended.append(oracle.queries)
         detected = [q for q in found if q is not None]
         median = statistics.median(detected) if detected else float("nan")
+        undetected = ", ".join(f"{q} x{ended.count(q)}" for q in sorted(set(ended))) or "none"
         print(
             f"{name}: {len(detected)}/{len(found)} runs detected; queries until detection: "
-            f"median {median}, max {max(detected, default=0)} "
-            f"({time.perf_counter() - started:.0f} s)",
+            f"median {median}, max {max(detected, default=0)}; undetected runs ended after "
+            f"(queries x runs): {undetected} ({time.perf_counter() - started:.0f} s)",
             flush=True,
         )
 
@@ -221,18 +228,24 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10, help="attack runs per attack")
     parser.add_argument("--attacks", nargs="+", default=["hsj", "boundary", "square"])
     parser.add_argument("--eps", type=float, default=0.1, help="Square's L-inf budget")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="run i seeds numpy's global generator (ART) with seed + i",
+    )
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--images", type=int, default=100, help="distinct images per client")
     parser.add_argument("--skip-benign", action="store_true")
     parser.add_argument("--neighbours", type=int, default=None, help="LAPGUARD_QUERY_NEIGHBOURS")
-    parser.add_argument("--distance", type=float, default=None, help="LAPGUARD_QUERY_DISTANCE")
+    parser.add_argument("--levels", type=int, default=None, help="LAPGUARD_QUERY_LEVELS")
     args = parser.parse_args()
     images, labels = to_arrays(load_dataset("fashion-mnist", "test"))
     env = {"LAPGUARD_QUERY_MEMORY": "memory", "LAPGUARD_MAX_QUEUE": "4096"}
     if args.neighbours is not None:
         env["LAPGUARD_QUERY_NEIGHBOURS"] = str(args.neighbours)
-    if args.distance is not None:
-        env["LAPGUARD_QUERY_DISTANCE"] = str(args.distance)
+    if args.levels is not None:
+        env["LAPGUARD_QUERY_LEVELS"] = str(args.levels)
     bundle = args.bundle if args.bundle is not None else bundle_for(args.network)
     process, url = start_server(bundle, flags=[], env=env)
     try:

@@ -1,14 +1,18 @@
 """Stateful detection of query-based black-box attacks (HopSkipJump, Boundary, Square, ...).
 
 Such attacks send hundreds of near-duplicate queries; benign clients rarely do (Chen, Carlini &
-Wagner 2019; Blacklight 2022). Each scored image gets a compact embedding (:class:`QueryEmbedder`:
-a salted random projection of the prepared input, so Euclidean distance between two embeddings
-approximates the RMS pixel distance of the two images, in units of the value range; no second
-forward pass). :class:`QueryMemory` keeps, per client, a bounded history of recent embeddings in a
-:class:`QueryStore` (in process, or Redis for several replicas) and flags a query that has at
-least ``neighbours`` stored queries within ``distance`` of it. ``distance`` is calibrated on
-benign traffic with :func:`calibrate_distance` (a low quantile of the nearest-neighbour distances
-between distinct clean images). Exact resends (within ``duplicate_distance``) are not stored
+Wagner 2019; Blacklight 2022). Each scored image gets a compact signature (:class:`QueryEmbedder`,
+no second forward pass): its pixels quantized to ``levels`` levels, as bit planes, and a digest
+of the exact input. Two images are *neighbours* when no pixel's level differs by 2 or more: every
+pair of images within an L-infinity ball of radius ``1 / (2 * levels)`` around one image (value
+range = 1) is, so all queries of an L-infinity attack (Square at eps <= 0.125 with 4 levels) are
+neighbours of each other however large its squares, and so are small L2 steps (HopSkipJump's and
+Boundary's probes); distinct clean images almost never are (some pixel differs by more than about
+a quarter of the range). :class:`QueryMemory` keeps, per client, a bounded history of recent
+signatures in a :class:`QueryStore` (in process, or Redis for several replicas) and flags a query
+that has at least ``neighbours`` stored neighbours. ``levels`` and ``neighbours`` are calibrated
+on benign traffic (:func:`nearest_far_pixels`: how many pixels set each clean image apart from
+its closest other image). Exact resends (same digest) are counted as neighbours but not stored
 again, so a client resending the same image does not build up a cluster of its own.
 """
 
@@ -29,11 +33,15 @@ from service.errors import ServiceError
 
 logger = logging.getLogger("lapguard.service")
 
-#: Larger inputs are average-pooled to at most this side before the projection (bounds its size).
+#: Larger inputs are average-pooled to at most this side first (averaging never moves a pixel
+#: further than the farthest pixel it averages, so an L-infinity ball stays one).
 MAX_SIDE = 32
-#: Embeddings are computed in float32; Redis stores them as float16 (2 bytes a number) to halve
-#: the traffic, the in-process store as float32 (no conversion on the lookup's hot path).
-REDIS_DTYPE = np.float16
+#: At most this many pixels (a salted sample of them) enter the signature: 16 words a plane.
+MAX_PIXELS = 1024
+#: Signature rows are uint64 words: the digest, then the bit planes word by word.
+WORD = np.dtype(np.uint64)
+#: Rows compared on all pixels at a time, once the first word has picked the candidates.
+CHUNK = 256
 
 
 class QueryStoreError(ServiceError):
@@ -41,46 +49,61 @@ class QueryStoreError(ServiceError):
 
 
 class QueryEmbedder:
-    """Images ``[N, C, H, W]`` in ``value_range`` -> float32 ``[N, dim]``; the Euclidean distance
-    between two embeddings approximates the RMS difference of the two images (value range = 1)."""
+    """Images ``[N, C, H, W]`` in ``value_range`` -> uint64 signatures ``[N, width]``: word 0 a
+    digest of the exact image, then for each group of 64 pixels (a salted order, so every group
+    samples the whole image) the ``levels - 1`` thermometer planes ``[level >= 1], ...`` of the
+    pixels' levels ``floor(levels * x)``."""
 
     def __init__(
         self,
         input_shape: tuple[int, int, int],
         value_range: tuple[float, float],
         *,
-        dim: int,
+        levels: int,
         seed: int,
     ) -> None:
         channels, height, width = input_shape
         self.pooled = (min(height, MAX_SIDE), min(width, MAX_SIDE))
         self.low, self.span = float(value_range[0]), float(value_range[1] - value_range[0])
         pixels = channels * self.pooled[0] * self.pooled[1]
-        generator = torch.Generator().manual_seed(seed)
-        # E||P^T v||^2 = ||v||^2 / pixels: the projection of a difference has the RMS as its norm.
-        self.projection = torch.randn(pixels, dim, generator=generator) / (dim * pixels) ** 0.5
-        self.dim = dim
+        order = np.random.default_rng(seed).permutation(pixels)[:MAX_PIXELS]
+        self.order = torch.from_numpy(order)
+        self.levels, self.planes = levels, levels - 1
+        self.words = -(-len(order) // 64)
+        self.width = 1 + self.words * self.planes
+        self.salt = int(seed).to_bytes(8, "little", signed=True)
 
     def __call__(self, batch: torch.Tensor) -> np.ndarray:
-        x = (batch.detach().to("cpu", torch.float32) - self.low) / self.span
+        exact = batch.detach().to("cpu", torch.float32).contiguous()
+        x = (exact - self.low) / self.span
         if tuple(x.shape[-2:]) != self.pooled:
             x = torch.nn.functional.adaptive_avg_pool2d(x, self.pooled)
-        return (x.flatten(1) @ self.projection).numpy()
+        level = (x.flatten(1)[:, self.order] * self.levels).floor().clamp(0, self.levels - 1)
+        bits = level.numpy()[:, None, :] >= np.arange(1, self.levels)[None, :, None]  # [N, P, n]
+        padded = np.zeros((len(bits), self.planes, self.words * 64), dtype=bool)
+        padded[:, :, : bits.shape[2]] = bits
+        planes = np.packbits(padded, axis=2, bitorder="little").view(WORD)  # [N, P, words]
+        rows = np.empty((len(bits), self.width), dtype=WORD)
+        rows[:, 1:] = planes.transpose(0, 2, 1).reshape(len(bits), -1)  # word by word
+        for i, image in enumerate(exact.numpy()):
+            digest = hashlib.blake2b(image.tobytes(), digest_size=8, key=self.salt)
+            rows[i, 0] = int.from_bytes(digest.digest(), "little")
+        return rows
 
 
 class QueryStore(ABC):
-    """Per-client bounded history of query embeddings, and client blocks with an expiry."""
+    """Per-client bounded history of query signatures, and client blocks with an expiry."""
 
     #: True when calls do network I/O (the service then calls them off the event loop).
     blocking = False
 
     @abstractmethod
     def recent(self, client: str) -> np.ndarray:
-        """The client's stored embeddings ``[n, dim]`` (n <= history), any order."""
+        """The client's stored signatures ``[n, width]`` (n <= history), any order."""
 
     @abstractmethod
-    def add(self, client: str, embeddings: np.ndarray) -> None:
-        """Store ``embeddings`` ``[m, dim]``; the oldest beyond the history length are dropped."""
+    def add(self, client: str, signatures: np.ndarray) -> None:
+        """Store ``signatures`` ``[m, width]``; the oldest beyond the history length are dropped."""
 
     @abstractmethod
     def block(self, client: str, seconds: float) -> None:
@@ -95,19 +118,19 @@ class QueryStore(ABC):
 
 
 class _Ring:
-    """A fixed-capacity ring of float32 rows, grown by doubling up to the capacity."""
+    """A fixed-capacity ring of signature rows, grown by doubling up to the capacity."""
 
-    def __init__(self, capacity: int, dim: int) -> None:
+    def __init__(self, capacity: int, width: int) -> None:
         self.capacity = capacity
-        self.rows = np.empty((min(capacity, 16), dim), dtype=np.float32)
+        self.rows = np.empty((min(capacity, 16), width), dtype=WORD)
         self.count = 0
         self.next = 0
 
-    def extend(self, embeddings: np.ndarray) -> None:
-        for row in embeddings[-self.capacity :]:
+    def extend(self, signatures: np.ndarray) -> None:
+        for row in signatures[-self.capacity :]:
             if self.next == len(self.rows) and len(self.rows) < self.capacity:
                 size = min(2 * len(self.rows), self.capacity)
-                grown = np.empty((size, self.rows.shape[1]), dtype=np.float32)
+                grown = np.empty((size, self.rows.shape[1]), dtype=WORD)
                 grown[: len(self.rows)] = self.rows
                 self.rows = grown
             self.rows[self.next] = row
@@ -120,10 +143,10 @@ class _Ring:
 
 class InProcessStore(QueryStore):
     """One process's memory: at most ``max_clients`` clients (least recently seen evicted), each
-    with at most ``history`` embeddings: ``max_clients * history * dim * 4`` bytes of rows."""
+    with at most ``history`` signatures: ``max_clients * history * width * 8`` bytes of rows."""
 
-    def __init__(self, *, history: int, max_clients: int, dim: int) -> None:
-        self.history, self.max_clients, self.dim = history, max_clients, dim
+    def __init__(self, *, history: int, max_clients: int, width: int) -> None:
+        self.history, self.max_clients, self.width = history, max_clients, width
         self._rings: OrderedDict[str, _Ring] = OrderedDict()
         self._blocked: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -132,21 +155,21 @@ class InProcessStore(QueryStore):
         with self._lock:
             ring = self._rings.get(client)
             if ring is None:
-                return np.empty((0, self.dim), dtype=np.float32)
+                return np.empty((0, self.width), dtype=WORD)
             self._rings.move_to_end(client)
             return ring.view()
 
-    def add(self, client: str, embeddings: np.ndarray) -> None:
-        if len(embeddings) == 0:
+    def add(self, client: str, signatures: np.ndarray) -> None:
+        if len(signatures) == 0:
             return
         with self._lock:
             ring = self._rings.get(client)
             if ring is None:
-                ring = self._rings[client] = _Ring(self.history, self.dim)
+                ring = self._rings[client] = _Ring(self.history, self.width)
                 while len(self._rings) > self.max_clients:
                     self._rings.popitem(last=False)
             self._rings.move_to_end(client)
-            ring.extend(embeddings)
+            ring.extend(signatures)
 
     def block(self, client: str, seconds: float) -> None:
         with self._lock:
@@ -165,7 +188,7 @@ class InProcessStore(QueryStore):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the stored rows (the bound: ``max_clients * history * dim * 4``)."""
+        """Bytes held by the stored rows (the bound: ``max_clients * history * width * 8``)."""
         return sum(ring.rows.nbytes for ring in self._rings.values())
 
 
@@ -183,21 +206,21 @@ redis.call('PEXPIRE', KEYS[2], ttl)
 
 
 class RedisStore(QueryStore):
-    """Histories shared by several replicas: per client a ring of float16 rows in one Redis string
+    """Histories shared by several replicas: per client a ring of signature rows in one Redis string
     (read in one GET), written by a Lua script, expiring after ``ttl_s`` idle, and a key with a TTL
     per blocked client. The Redis server bounds the number of clients (``maxmemory`` with
-    ``allkeys-lru``); all replicas must share ``query_seed`` and ``query_embedding_dim``."""
+    ``allkeys-lru``); all replicas must share ``query_seed`` and ``query_levels``."""
 
     blocking = True
 
-    def __init__(self, url: str, *, history: int, dim: int, ttl_s: float, prefix: str) -> None:
+    def __init__(self, url: str, *, history: int, width: int, ttl_s: float, prefix: str) -> None:
         import redis
 
         self._redis = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._append = self._redis.register_script(_RING_APPEND)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-        self.history, self.dim, self.ttl_ms = history, dim, int(ttl_s * 1000)
-        self.width = dim * np.dtype(REDIS_DTYPE).itemsize
+        self.history, self.words, self.ttl_ms = history, width, int(ttl_s * 1000)
+        self.width = width * WORD.itemsize  # bytes a row
         self.prefix = prefix
 
     def _key(self, kind: str, client: str) -> str:
@@ -209,13 +232,12 @@ class RedisStore(QueryStore):
         except self._errors as error:
             raise QueryStoreError(f"the query store is unreachable: {error}") from error
         usable = min(len(raw) // self.width, self.history) * self.width
-        rows = np.frombuffer(raw[:usable], dtype=REDIS_DTYPE).reshape(-1, self.dim)
-        return rows.astype(np.float32)
+        return np.frombuffer(raw[:usable], dtype=WORD).reshape(-1, self.words)
 
-    def add(self, client: str, embeddings: np.ndarray) -> None:
-        if len(embeddings) == 0:
+    def add(self, client: str, signatures: np.ndarray) -> None:
+        if len(signatures) == 0:
             return
-        rows = [row.astype(REDIS_DTYPE).tobytes() for row in embeddings[-self.history :]]
+        rows = [row.astype(WORD).tobytes() for row in signatures[-self.history :]]
         keys = [self._key("ring", client), self._key("count", client)]
         try:
             self._append(keys=keys, args=[self.width, self.history, self.ttl_ms, *rows])
@@ -242,50 +264,72 @@ class RedisStore(QueryStore):
 @dataclass(frozen=True)
 class QueryMemory:
     """The decision: a query is part of an attack when at least ``neighbours`` of the client's
-    stored queries lie within ``distance`` of it (RMS pixel distance, value range = 1)."""
+    stored queries are its neighbours (no pixel's level differs by 2 or more; ``planes`` =
+    ``levels - 1`` of the :class:`QueryEmbedder` that made the signatures)."""
 
     store: QueryStore
-    distance: float
     neighbours: int
-    duplicate_distance: float = 1e-4
+    planes: int
 
-    def observe(self, client: str, embeddings: np.ndarray) -> np.ndarray:
+    def observe(self, client: str, signatures: np.ndarray) -> np.ndarray:
         """Flags (bool ``[N]``) of a request's queries, in order; then remembers them (each query
         is also compared with the earlier ones of the same request). Exact resends are counted
         as neighbours but not stored again."""
         history = self.store.recent(client)
-        queries = np.asarray(embeddings, dtype=np.float32)
+        queries = np.asarray(signatures, dtype=WORD)
         flags = np.zeros(len(queries), dtype=bool)
         keep = np.zeros(len(queries), dtype=bool)
         for i, query in enumerate(queries):
-            near = np.concatenate(
-                [_distances(query, history), _distances(query, queries[:i][keep[:i]])]
-            )
-            flags[i] = int(np.count_nonzero(near <= self.distance)) >= self.neighbours
-            keep[i] = not bool(np.any(near <= self.duplicate_distance))
+            earlier = queries[:i][keep[:i]]
+            near = _neighbours(query, history, self.planes, self.neighbours)
+            near += _neighbours(query, earlier, self.planes, self.neighbours)
+            flags[i] = near >= self.neighbours
+            keep[i] = not (np.any(history[:, 0] == query[0]) or np.any(earlier[:, 0] == query[0]))
         self.store.add(client, queries[keep])
         return flags
 
 
-def _distances(query: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Euclidean distances of one embedding to each row (differences first: exact near 0)."""
-    difference = rows - query
-    return np.sqrt(np.einsum("ij,ij->i", difference, difference))
+def far_pixels(query: np.ndarray, rows: np.ndarray, planes: int) -> np.ndarray:
+    """Per row, the words (``[n, words]``) whose set bits are the pixels at which the row's level
+    and the query's differ by 2 or more: two adjacent thermometer planes both differ there."""
+    differ = (rows[:, 1:] ^ query[1:]).reshape(len(rows), -1, planes)
+    far = differ[:, :, 0] & differ[:, :, 1] if planes > 1 else np.zeros_like(differ[:, :, 0])
+    for p in range(1, planes - 1):
+        far |= differ[:, :, p] & differ[:, :, p + 1]
+    return far
 
 
-def calibrate_distance(embeddings: np.ndarray, quantile: float, *, chunk: int = 1024) -> float:
-    """The ``quantile`` of the nearest-neighbour distances among distinct clean images (each
-    image's closest other image, exact duplicates left out): the benign baseline of ``distance``."""
-    x = np.asarray(embeddings, dtype=np.float64)
-    norms = (x * x).sum(axis=1)
-    nearest = np.empty(len(x))
-    for start in range(0, len(x), chunk):
-        block = x[start : start + chunk]
-        squared = norms[start : start + chunk, None] + norms[None, :] - 2.0 * block @ x.T
-        d = np.sqrt(np.maximum(squared, 0.0))  # float64: exact enough to tell duplicates
-        d[d <= 1e-6] = np.inf  # itself and exact duplicates
-        nearest[start : start + chunk] = d.min(axis=1)
-    return float(np.quantile(nearest[np.isfinite(nearest)], quantile))
+def _neighbours(query: np.ndarray, rows: np.ndarray, planes: int, enough: int) -> int:
+    """How many rows are neighbours of the query, counted up to ``enough``. The first group of 64
+    pixels (a salted sample of the whole image) rules out almost every distinct image at the cost
+    of one word a plane; only the rows it keeps are compared on all pixels, a chunk at a time until
+    ``enough`` are found (a client whose history is one eps-ball costs one chunk, not 10,000 rows)."""
+    if len(rows) == 0:
+        return 0
+    first = rows[:, : 1 + planes]
+    candidates = np.flatnonzero(~far_pixels(query[: 1 + planes], first, planes).any(axis=1))
+    found = 0
+    for start in range(0, len(candidates), CHUNK):
+        chunk = rows[candidates[start : start + CHUNK]]
+        found += int(np.count_nonzero(~far_pixels(query, chunk, planes).any(axis=1)))
+        if found >= enough:
+            break
+    return found
+
+
+def nearest_far_pixels(signatures: np.ndarray, planes: int) -> np.ndarray:
+    """For each signature, how many pixels set it apart from its closest other one (exact
+    duplicates, same digest, left out; -1 when it has no other): on distinct clean images, the
+    benign baseline of the neighbour rule (a neighbour has 0)."""
+    rows = np.asarray(signatures, dtype=WORD)
+    nearest = np.full(len(rows), -1, dtype=np.int64)
+    for i, query in enumerate(rows):
+        others = rows[rows[:, 0] != query[0]]
+        if len(others):
+            far = far_pixels(query, others, planes)
+            counts = np.unpackbits(far.view(np.uint8), axis=1).sum(axis=1)
+            nearest[i] = int(counts.min())
+    return nearest
 
 
 def client_key(api_key: str | None, address: str | None) -> str:

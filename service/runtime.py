@@ -56,7 +56,7 @@ INLINE_PIXELS = 256 * 256
 
 @dataclasses.dataclass
 class ServedResult(GuardResult):
-    """The Guard's result plus each image's query embedding (float16 ``[N, dim]``), computed in
+    """The Guard's result plus each image's query signature (uint64 ``[N, width]``), computed in
     the batch worker from the same prepared batch (no second forward pass), and the bundle that
     answered (its Guard computed the whole batch, even when a reload swapped it meanwhile)."""
 
@@ -178,23 +178,24 @@ class Runtime:
             return
         spec = guard.input_spec
         self._embedder = QueryEmbedder(
-            spec.shape, spec.value_range, dim=s.query_embedding_dim, seed=s.query_seed
+            spec.shape, spec.value_range, levels=s.query_levels, seed=s.query_seed
         )
+        width = self._embedder.width
         store: QueryStore
         if s.query_memory == "redis":
             store = RedisStore(
                 s.redis_url,
                 history=s.query_history,
-                dim=s.query_embedding_dim,
+                width=width,
                 ttl_s=s.query_ttl_s,
-                prefix=f"lapguard:{self.model_name}:{s.query_embedding_dim}:",
+                prefix=f"lapguard:{self.model_name}:l{s.query_levels}w{width}:",
             )
         else:
             store = InProcessStore(
-                history=s.query_history, max_clients=s.query_max_clients, dim=s.query_embedding_dim
+                history=s.query_history, max_clients=s.query_max_clients, width=width
             )
         self.query_memory = QueryMemory(
-            store, distance=s.query_distance, neighbours=s.query_neighbours
+            store, neighbours=s.query_neighbours, planes=self._embedder.planes
         )
 
     def _predictor(self) -> Predict:

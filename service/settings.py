@@ -14,8 +14,9 @@ from detector.images import DEFAULT_FORMATS, DEFAULT_MAX_PIXELS
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
-#: Default near-duplicate distance; see ``query_distance`` and benchmarks/RESULTS.md.
-QUERY_DISTANCE = 0.046
+#: Query signature levels and neighbour count; see ``query_levels`` and benchmarks/RESULTS.md.
+QUERY_LEVELS = 4
+QUERY_NEIGHBOURS = 3
 
 
 class Settings(BaseSettings):
@@ -107,17 +108,21 @@ class Settings(BaseSettings):
         default="auto",
         description="who a client is: auto = the API key it sends when a key is configured, else its address",
     )
-    query_distance: float = Field(
-        default=QUERY_DISTANCE,
-        gt=0,
+    query_levels: int = Field(
+        default=QUERY_LEVELS,
+        ge=3,
+        le=16,
         description=(
-            "two queries are near-duplicates under this RMS pixel distance (value range = 1); "
-            "default: the 0.1% quantile of nearest-neighbour distances between the 10,000 distinct "
-            "clean Fashion-MNIST test images (benchmarks/query_memory.py calibrate)"
+            "pixel levels of the query signature: two queries are neighbours when no pixel's level "
+            "differs by 2 or more, which covers any L-infinity ball of radius 1/(2*levels) "
+            "(value range = 1); default 4 (eps <= 0.125), calibrated on the 10,000 distinct clean "
+            "Fashion-MNIST test images (benchmarks/query_memory.py)"
         ),
     )
     query_neighbours: int = Field(
-        default=10, ge=1, description="a query is an attack when this many stored ones are near it"
+        default=QUERY_NEIGHBOURS,
+        ge=1,
+        description="a query is an attack when this many stored ones are its neighbours",
     )
     query_history: int = Field(
         default=1000, ge=1, le=100_000, description="queries remembered per client (a ring)"
@@ -127,10 +132,9 @@ class Settings(BaseSettings):
         ge=1,
         description="clients remembered in process (least recently seen evicted)",
     )
-    query_embedding_dim: int = Field(default=32, ge=8, le=1024, description="numbers per query")
     query_seed: int = Field(
         default=0,
-        description="salt of the random projection; set a private value, the same on every replica",
+        description="salt of the signature (pixel order, digest); set a private value, the same on every replica",
     )
     query_ttl_s: float = Field(
         default=3600.0, gt=0, description="Redis: a client's history expires after this idle time"

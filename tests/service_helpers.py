@@ -218,3 +218,27 @@ def error_message(response: httpx.Response) -> str:
 
 def client_error_has_www_authenticate(response: httpx.Response) -> bool:
     return response.headers.get("www-authenticate", "").startswith("Bearer")
+
+
+def square_like(image: np.ndarray, n: int, eps: float, seed: int) -> np.ndarray:
+    """``n`` distinct queries of a Square-like L-infinity attack on ``image`` [1, H, W]: vertical
+    stripes of +-eps, then each query paints one random square (shrinking from 80% of the image)
+    at +-eps around ``image``, kept or dropped at random as the attack's loss would: every query
+    lies in the eps-ball of ``image`` (clipped to [0, 1]), yet early ones differ by large squares."""
+    rng = np.random.default_rng(seed)
+    _, height, width = image.shape
+    current = np.clip(image + eps * rng.choice([-1.0, 1.0], size=(1, 1, width)), 0, 1)
+    queries = [image, current]
+    while len(queries) < n:
+        side = max(1, round(np.sqrt(0.8 * 0.5 ** (len(queries) // 10) * height * width)))
+        top, left = rng.integers(0, height - side + 1), rng.integers(0, width - side + 1)
+        candidate = current.copy()
+        window = (slice(None), slice(top, top + side), slice(left, left + side))
+        candidate[window] = image[window] + eps * rng.choice([-1.0, 1.0])
+        candidate = np.clip(candidate, 0, 1)
+        if any(np.array_equal(candidate, query) for query in queries):
+            continue  # a square on clipped background can change nothing: not a new query
+        queries.append(candidate)
+        if rng.random() < 0.5:
+            current = candidate
+    return np.stack(queries).astype(np.float32)

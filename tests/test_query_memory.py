@@ -1,10 +1,12 @@
 """Stateful detection of query attacks (service/query_memory.py), in process and against a real
-``redis-server`` this module starts on a free loopback port: a near-duplicate query stream (one
-clean image with small noise, as HopSkipJump's probes) is flagged, distinct clean test images
-and resends are not, and memory stays within its bound under a long stream."""
+``redis-server`` this module starts on a free loopback port: a Square-like L-infinity query stream
+(large squares of +-eps, eps = 0.03 and 0.1) and a near-duplicate stream (one clean image with
+small noise, as HopSkipJump's probes) are flagged; distinct clean images, resends and JPEG
+re-encodes are not; memory stays within its bound under a long stream."""
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from service.query_memory import (
     InProcessStore,
@@ -19,28 +22,37 @@ from service.query_memory import (
     QueryMemory,
     QueryStore,
     RedisStore,
-    calibrate_distance,
     client_key,
+    far_pixels,
+    nearest_far_pixels,
 )
 from service.settings import Settings
-from tests.service_helpers import near_duplicates
+from tests.service_helpers import near_duplicates, square_like
 from training.data import load_dataset, to_arrays
 
 DEFAULTS = Settings()
+K = DEFAULTS.query_neighbours
+PLANES = DEFAULTS.query_levels - 1
 HISTORY = 512  # holds the whole distinct-image stream; the long stream (1000) wraps it
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def embed() -> QueryEmbedder:
+    return QueryEmbedder(
+        (1, 28, 28), (0.0, 1.0), levels=DEFAULTS.query_levels, seed=DEFAULTS.query_seed
+    )
+
+
 @pytest.fixture(params=["memory", "redis"])
-def store(request: pytest.FixtureRequest) -> Iterator[QueryStore]:
+def store(request: pytest.FixtureRequest, embed: QueryEmbedder) -> Iterator[QueryStore]:
     """A fresh store of each kind (a fresh key prefix per Redis test)."""
-    dim = DEFAULTS.query_embedding_dim
     if request.param == "memory":
-        yield InProcessStore(history=HISTORY, max_clients=8, dim=dim)
+        yield InProcessStore(history=HISTORY, max_clients=8, width=embed.width)
         return
     url = request.getfixturevalue("redis_url")
     redis_store = RedisStore(
-        url, history=HISTORY, dim=dim, ttl_s=60, prefix=f"test:{request.node.name}:"
+        url, history=HISTORY, width=embed.width, ttl_s=60, prefix=f"test:{request.node.name}:"
     )
     yield redis_store
     redis_store.close()
@@ -53,64 +65,102 @@ def clean_images(data_root: Path) -> np.ndarray:
     return images
 
 
-@pytest.fixture(scope="module")
-def embed() -> QueryEmbedder:
-    return QueryEmbedder(
-        (1, 28, 28), (0.0, 1.0), dim=DEFAULTS.query_embedding_dim, seed=DEFAULTS.query_seed
-    )
-
-
 def _memory(store: QueryStore) -> QueryMemory:
-    return QueryMemory(
-        store, distance=DEFAULTS.query_distance, neighbours=DEFAULTS.query_neighbours
-    )
+    return QueryMemory(store, neighbours=K, planes=PLANES)
 
 
-# ---- the embedding ------------------------------------------------------------------------------
-def test_embedding_distance_approximates_the_rms_pixel_distance(
+def _signatures(embed: QueryEmbedder, images: np.ndarray) -> np.ndarray:
+    return embed(torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32)))
+
+
+def _far_counts(query: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    far = far_pixels(query, rows, PLANES)
+    return np.unpackbits(far.view(np.uint8), axis=1).sum(axis=1)
+
+
+def _jpeg(image: np.ndarray) -> np.ndarray:
+    buffer = io.BytesIO()
+    Image.fromarray((image[0] * 255).round().astype(np.uint8)).save(buffer, "JPEG", quality=90)
+    return np.asarray(Image.open(buffer), dtype=np.float32)[None] / 255
+
+
+# ---- the signature ------------------------------------------------------------------------------
+def test_signature_layout_and_digest(embed: QueryEmbedder, clean_images: np.ndarray) -> None:
+    rows = _signatures(embed, clean_images[:4])
+    assert rows.dtype == np.uint64 and rows.shape == (4, 1 + 13 * PLANES)  # 784 pixels: 13 words
+    again = _signatures(embed, clean_images[:4])
+    assert np.array_equal(rows, again)  # deterministic
+    nudged = clean_images[:1].copy()
+    nudged[0, 0, 14, 14] = np.nextafter(nudged[0, 0, 14, 14], np.float32(2))
+    changed = _signatures(embed, nudged)[0]
+    assert changed[0] != rows[0, 0]  # the digest tells an exact resend from a nudged copy
+    assert _far_counts(changed, rows[:1])[0] == 0  # ... which is still a neighbour
+
+
+def test_levels_differing_by_two_are_far_pixels(embed: QueryEmbedder) -> None:
+    """Level boundaries at 0.25, 0.5, 0.75: a pixel is far exactly when its levels differ by 2+."""
+    base = np.zeros((1, 1, 28, 28), dtype=np.float32)
+    values = {0.24: 0, 0.26: 0, 0.49: 0, 0.51: 1, 0.74: 1, 0.99: 1}  # far from 0.0? (level 0)
+    for value, far in values.items():
+        other = base.copy()
+        other[0, 0, 3, 5] = value
+        assert _far_counts(_signatures(embed, other)[0], _signatures(embed, base))[0] == far
+
+
+def test_an_eps_ball_is_one_neighbourhood_and_clean_images_are_not(
     embed: QueryEmbedder, clean_images: np.ndarray
 ) -> None:
-    a, b = clean_images[:200], clean_images[200:400]
-    ea, eb = embed(torch.from_numpy(a)), embed(torch.from_numpy(b))
-    rms = np.sqrt(((a - b) ** 2).reshape(200, -1).mean(axis=1))
-    ratio = np.linalg.norm(ea - eb, axis=1) / rms
-    assert abs(float(np.median(ratio)) - 1.0) < 0.1
-    assert ea.dtype == np.float32 and ea.shape == (200, DEFAULTS.query_embedding_dim)
-
-
-def test_the_default_distance_is_the_benign_calibration(
-    embed: QueryEmbedder, clean_images: np.ndarray
-) -> None:
-    """The default sits below the nearest-neighbour distances of almost all distinct clean images
-    (recorded calibration: 0.1% quantile over the 10,000 test images) and far above noisy copies."""
-    embedded = embed(torch.from_numpy(clean_images))
-    assert calibrate_distance(embedded, 0.01) > DEFAULTS.query_distance
-    noisy = embed(torch.from_numpy(near_duplicates(clean_images[0], 20, 0.01, seed=1)))
-    assert float(np.linalg.norm(noisy - embedded[0], axis=1).max()) < DEFAULTS.query_distance / 2
+    """Any two points of an L-infinity ball of radius 1/(2*levels) around one image are
+    neighbours; distinct clean images almost never are (recorded on the 10,000: 0.62%)."""
+    rng = np.random.default_rng(0)
+    eps = 0.5 / DEFAULTS.query_levels - 1e-3
+    for image in clean_images[:20]:
+        ball = np.clip(image + rng.uniform(-eps, eps, (30, *image.shape)), 0, 1)
+        rows = _signatures(embed, ball)
+        assert all(_far_counts(row, rows).max() == 0 for row in rows)
+    nearest = nearest_far_pixels(_signatures(embed, clean_images), PLANES)
+    assert np.mean(nearest == 0) < 0.01
+    assert np.median(nearest) >= 10
 
 
 # ---- the decision, in process and in Redis ------------------------------------------------------
+@pytest.mark.parametrize("eps", [0.03, 0.1])
+def test_a_square_like_stream_is_flagged(
+    store: QueryStore, embed: QueryEmbedder, clean_images: np.ndarray, eps: float
+) -> None:
+    queries = square_like(clean_images[3], 40, eps, seed=0)
+    rms = np.sqrt(((queries[1:] - queries[:-1]) ** 2).mean(axis=(1, 2, 3)))
+    if eps == 0.1:  # large squares: successive queries as far apart as distinct clean images
+        assert np.median(rms) > 0.046
+    memory = _memory(store)
+    rows = _signatures(embed, queries)
+    flags = np.concatenate([memory.observe("attacker", rows[i : i + 1]) for i in range(40)])
+    assert not flags[:K].any()  # the first K queries cannot have K neighbours yet
+    assert flags[K:].all()
+
+
 def test_a_near_duplicate_stream_is_flagged(
     store: QueryStore, embed: QueryEmbedder, clean_images: np.ndarray
 ) -> None:
     memory = _memory(store)
-    probes = embed(torch.from_numpy(near_duplicates(clean_images[3], 40, 0.01, seed=0)))
+    probes = _signatures(embed, near_duplicates(clean_images[3], 40, 0.01, seed=0))
     flags = np.concatenate([memory.observe("attacker", probes[i : i + 1]) for i in range(40)])
-    k = DEFAULTS.query_neighbours
-    assert not flags[:k].any()  # the first k queries cannot have k neighbours yet
-    assert flags[k:].all()
+    assert not flags[:K].any() and flags[K:].all()
 
 
-def test_distinct_clean_images_and_resends_are_not_flagged(
+def test_distinct_clean_images_resends_and_reencodes_are_not_flagged(
     store: QueryStore, embed: QueryEmbedder, clean_images: np.ndarray
 ) -> None:
     memory = _memory(store)
-    embedded = embed(torch.from_numpy(clean_images[:300]))
-    flags = np.concatenate(
-        [memory.observe("benign", embedded[i : i + 8]) for i in range(0, 300, 8)]
-    )
+    rows = _signatures(embed, clean_images[:300])
+    flags = np.concatenate([memory.observe("benign", rows[i : i + 8]) for i in range(0, 300, 8)])
     assert flags.shape == (300,) and not flags.any()
-    resent = np.repeat(embedded[:1], 30, axis=0)
+    # an image, its JPEG q90 re-encode, then resends of both: one neighbour stored, resends free
+    image = clean_images[400]
+    copies = _signatures(embed, np.stack([image, _jpeg(image), image, _jpeg(image)]))
+    assert not memory.observe("reencoder", copies).any()
+    assert len(store.recent("reencoder")) == 2
+    resent = np.repeat(rows[:1], 30, axis=0)
     assert not memory.observe("resender", resent).any()
     assert len(store.recent("resender")) == 1  # resends are not stored again
 
@@ -118,17 +168,16 @@ def test_distinct_clean_images_and_resends_are_not_flagged(
 def test_a_request_is_compared_with_its_own_earlier_images(
     store: QueryStore, embed: QueryEmbedder, clean_images: np.ndarray
 ) -> None:
-    probes = embed(torch.from_numpy(near_duplicates(clean_images[5], 16, 0.01, seed=2)))
+    probes = _signatures(embed, square_like(clean_images[5], 16, 0.1, seed=2))
     flags = _memory(store).observe("batcher", probes)
-    k = DEFAULTS.query_neighbours
-    assert not flags[:k].any() and flags[k:].all()
+    assert not flags[:K].any() and flags[K:].all()
 
 
 def test_clients_are_separate(
     store: QueryStore, embed: QueryEmbedder, clean_images: np.ndarray
 ) -> None:
     memory = _memory(store)
-    probes = embed(torch.from_numpy(near_duplicates(clean_images[7], 20, 0.01, seed=3)))
+    probes = _signatures(embed, square_like(clean_images[7], 20, 0.1, seed=3))
     memory.observe("attacker", probes)
     assert memory.observe("attacker", probes[:1]).all()
     assert not memory.observe("other", probes[:1]).any()
@@ -138,13 +187,12 @@ def test_history_stays_bounded_under_a_long_stream(
     store: QueryStore, embed: QueryEmbedder, clean_images: np.ndarray
 ) -> None:
     memory = _memory(store)
-    embedded = embed(torch.from_numpy(clean_images))
+    rows = _signatures(embed, clean_images)
     for i in range(0, 1000, 8):
-        memory.observe("long", embedded[i : i + 8])
+        memory.observe("long", rows[i : i + 8])
     recent = store.recent("long")
-    assert recent.shape == (HISTORY, DEFAULTS.query_embedding_dim)
-    # the ring keeps the newest: the last image is stored
-    assert np.min(np.linalg.norm(recent - embedded[-1], axis=1)) < 1e-3
+    assert recent.shape == (HISTORY, embed.width)
+    assert rows[-1, 0] in recent[:, 0]  # the ring keeps the newest: the last image is stored
 
 
 def test_blocks_expire(store: QueryStore) -> None:
@@ -155,31 +203,37 @@ def test_blocks_expire(store: QueryStore) -> None:
     assert store.blocked_for("c") == 0.0
 
 
+def _random_rows(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
+    return rng.integers(0, 2**63, (n, width), dtype=np.uint64)
+
+
 def test_in_process_memory_is_bounded_in_clients_and_bytes(embed: QueryEmbedder) -> None:
-    dim, history, max_clients = DEFAULTS.query_embedding_dim, 50, 20
-    store = InProcessStore(history=history, max_clients=max_clients, dim=dim)
-    memory = QueryMemory(store, distance=DEFAULTS.query_distance, neighbours=10)
+    width, history, max_clients = embed.width, 50, 20
+    store = InProcessStore(history=history, max_clients=max_clients, width=width)
+    memory = QueryMemory(store, neighbours=10, planes=PLANES)
     rng = np.random.default_rng(0)
     for step in range(3000):  # 100 passing clients cycle through; "steady" comes back often
-        memory.observe(f"client{step % 100}", rng.normal(0, 0.1, (4, dim)).astype(np.float32))
+        memory.observe(f"client{step % 100}", _random_rows(rng, 4, width))
         if step % 10 == 0:
-            memory.observe("steady", rng.normal(0, 0.1, (4, dim)).astype(np.float32))
+            memory.observe("steady", _random_rows(rng, 4, width))
     assert store.clients == max_clients
-    assert store.nbytes <= max_clients * history * dim * 4
-    assert store.recent("steady").shape == (history, dim)  # a recently seen client is kept
-    assert store.recent("client99").shape == (4, dim)  # evicted since its last visit, back
-    assert store.recent("client0").shape == (0, dim)  # the least recently seen were evicted
+    assert store.nbytes <= max_clients * history * width * 8
+    assert store.recent("steady").shape == (history, width)  # a recently seen client is kept
+    assert store.recent("client99").shape == (4, width)  # evicted since its last visit, back
+    assert store.recent("client0").shape == (0, width)  # the least recently seen were evicted
 
 
-def test_redis_ring_is_bounded_in_bytes(redis_url: str) -> None:
+def test_redis_ring_is_bounded_in_bytes(redis_url: str, embed: QueryEmbedder) -> None:
     import redis
 
-    dim = DEFAULTS.query_embedding_dim
-    store = RedisStore(redis_url, history=HISTORY, dim=dim, ttl_s=60, prefix="bound:")
+    width = embed.width
+    store = RedisStore(redis_url, history=HISTORY, width=width, ttl_s=60, prefix="bound:")
     rng = np.random.default_rng(0)
-    for _ in range(200):  # 1400 rows through a ring of HISTORY
-        store.add("c", rng.normal(0, 0.1, (7, dim)).astype(np.float32))
-    assert redis.Redis.from_url(redis_url).strlen("bound:ring:c") == HISTORY * dim * 2
+    rows = _random_rows(rng, 1400, width)
+    for i in range(0, 1400, 7):  # 1400 rows through a ring of HISTORY
+        store.add("c", rows[i : i + 7])
+    assert redis.Redis.from_url(redis_url).strlen("bound:ring:c") == HISTORY * width * 8
+    assert np.array_equal(np.sort(store.recent("c")[:, 0]), np.sort(rows[-HISTORY:, 0]))
     store.close()
 
 

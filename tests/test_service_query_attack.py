@@ -1,6 +1,7 @@
-"""Stateful query-attack detection on live servers: `query_attack` in /v1 results and the /v2
-output, the Prometheus counter, the OpenAPI schema, and with `query_attack_action=429` two
-replicas sharing one real Redis refuse the client for the cool-down."""
+"""Stateful query-attack detection on live servers: `query_attack` in /v1 results (near-duplicate
+and Square-like streams) and the /v2 output, the Prometheus counter, the OpenAPI schema, and with
+`query_attack_action=429` two replicas sharing one real Redis refuse the client for the
+cool-down."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from service.settings import Settings
 from tests.live_server import LiveServer
-from tests.service_helpers import LIMITS, encode, near_duplicates
+from tests.service_helpers import LIMITS, encode, near_duplicates, square_like
 from training.data import load_dataset, to_arrays
 
 K = Settings().query_neighbours
@@ -69,6 +70,16 @@ def test_v1_flags_a_near_duplicate_stream_and_counts_it(
     assert flags == [False] * K + [True] * K
     assert _attacks_counted(flagging_server) - before == K
     assert _checks_timed(flagging_server) - timed == 2 * K  # one timed check per request
+
+
+def test_v1_flags_a_square_like_stream(flagging_server: LiveServer, fashion: np.ndarray) -> None:
+    """Square at eps = 0.1 as 8-bit PNGs: large squares, every query in one eps-ball."""
+    flags = []
+    for query in square_like(fashion[5], 3 * K, 0.1, seed=5):
+        response = _predict(flagging_server.url, [_png(query)])
+        assert response.status_code == 200, response.text
+        flags.append(response.json()["results"][0]["query_attack"])
+    assert flags == [False] * K + [True] * (2 * K)
 
 
 def test_v1_does_not_flag_distinct_clean_images(
