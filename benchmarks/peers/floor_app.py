@@ -18,7 +18,7 @@ import torch
 import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from v2_images import decode_v2_images, torch_threads, v2_outputs  # noqa: E402
+from v2_images import decode_v2_images, predict_images, torch_threads, v2_outputs  # noqa: E402
 
 from detector.guard import Guard  # noqa: E402
 
@@ -74,7 +74,7 @@ class Floor:
                 items.append(self.queue.get_nowait())
                 count += len(items[-1][0])
             images = [image for batch, _ in items for image in batch]
-            result = await asyncio.to_thread(self.guard.predict_images, images)
+            result = await asyncio.to_thread(predict_images, self.guard, images)
             start = 0
             for batch, future in items:
                 future.set_result(v2_outputs(result, start, start + len(batch)))

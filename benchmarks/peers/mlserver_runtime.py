@@ -9,7 +9,7 @@ import asyncio
 import torch
 from mlserver import MLModel
 from mlserver.types import InferenceRequest, InferenceResponse, ResponseOutput
-from v2_images import decode_b64_images, torch_threads, v2_outputs
+from v2_images import decode_b64_images, predict_images, torch_threads, v2_outputs
 
 from detector.guard import Guard
 
@@ -25,7 +25,7 @@ class GuardRuntime(MLModel):
 
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:
         images = decode_b64_images(list(payload.inputs[0].data))
-        result = await asyncio.to_thread(self.guard.predict_images, images)
+        result = await asyncio.to_thread(predict_images, self.guard, images)
         return InferenceResponse(
             model_name=self.name,
             outputs=[ResponseOutput(**output) for output in v2_outputs(result)],

@@ -20,7 +20,7 @@ from ray import serve
 from starlette.requests import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from v2_images import decode_v2_images, torch_threads, v2_outputs  # noqa: E402
+from v2_images import decode_v2_images, predict_images, torch_threads, v2_outputs  # noqa: E402
 
 from detector.guard import Guard  # noqa: E402
 
@@ -37,7 +37,7 @@ class GuardDeployment:
     @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0)
     async def score(self, batches: list[list[np.ndarray]]) -> list[dict]:
         images = [image for batch in batches for image in batch]
-        result = await asyncio.to_thread(self.guard.predict_images, images)
+        result = await asyncio.to_thread(predict_images, self.guard, images)
         answers, start = [], 0
         for batch in batches:
             outputs = v2_outputs(result, start, start + len(batch))

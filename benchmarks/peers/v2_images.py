@@ -10,8 +10,9 @@ import os
 from typing import Any
 
 import numpy as np
+import torch
 
-from detector.guard import GuardResult
+from detector.guard import Guard, GuardResult
 from detector.images import decode_image
 from service.settings import default_torch_threads
 
@@ -23,6 +24,15 @@ def torch_threads() -> int:
     """The forward pass's threads, as ``lapguard serve`` takes them: ``LAPGUARD_TORCH_THREADS``,
     else its default (the benchmark gives every server the same)."""
     return int(os.environ.get("LAPGUARD_TORCH_THREADS") or default_torch_threads())
+
+
+def predict_images(guard: Guard, images: list[np.ndarray]) -> GuardResult:
+    """``guard.predict_images`` on :func:`torch_threads` threads, set in the calling thread: torch's
+    count is per thread once a thread has used it, and the servers' worker threads may predate
+    the setting."""
+    if torch.get_num_threads() != torch_threads():
+        torch.set_num_threads(torch_threads())
+    return guard.predict_images(images)
 
 
 def v2_body(pngs: list[bytes]) -> bytes:
