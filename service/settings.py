@@ -171,8 +171,21 @@ def default_torch_threads() -> int:
     return max(1, (cores or 1) - 1)
 
 
+#: Variables of settings that no longer exist, and what replaced them: set, they would be ignored
+#: without a word (pydantic-settings skips unknown variables), so start-up refuses them.
+REMOVED_VARIABLES = {
+    "LAPGUARD_QUERY_DISTANCE": "the query memory now compares quantized pixels: set "
+    "LAPGUARD_QUERY_LEVELS (default 4) and LAPGUARD_QUERY_NEIGHBOURS (default 3)",
+    "LAPGUARD_QUERY_EMBEDDING_DIM": "the query memory now stores quantized pixels, not an "
+    "embedding: remove it (LAPGUARD_QUERY_LEVELS sets the quantization)",
+}
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Settings from the environment with ``overrides`` (CLI flags; None means 'not given') on top."""
+    removed = [f"{name}: {why}" for name, why in REMOVED_VARIABLES.items() if name in os.environ]
+    if removed:
+        raise ConfigError("settings that no longer exist are set; " + "; ".join(removed))
     given = {key: value for key, value in overrides.items() if value is not None}
     try:
         return Settings(**given)

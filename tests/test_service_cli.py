@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+import pytest
+
+from detector.errors import ConfigError
+from service.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,3 +103,12 @@ def test_serve_command_logs_json_with_request_ids_and_stops_on_sigterm(
     assert request and request[0]["route"] == "/v1/predict" and request[0]["status"] == 200
     assert request[0]["duration_ms"] > 0 and request[0]["level"] == "info"
     assert any(r["message"] == "ready" for r in records)
+
+
+def test_a_removed_setting_is_refused_naming_what_replaced_it(monkeypatch) -> None:
+    """A variable of a setting that no longer exists would be ignored without a word: refused."""
+    monkeypatch.setenv("LAPGUARD_QUERY_DISTANCE", "0.05")
+    with pytest.raises(ConfigError, match="LAPGUARD_QUERY_DISTANCE.*LAPGUARD_QUERY_LEVELS"):
+        load_settings()
+    monkeypatch.delenv("LAPGUARD_QUERY_DISTANCE")
+    assert load_settings().query_levels == 4
