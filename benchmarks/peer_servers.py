@@ -104,7 +104,7 @@ class PeerServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.__exit__(None, None, None)
+        self.stop()
         raise SystemExit(f"{self.name} was not ready within {timeout:.0f} s")
 
     def __exit__(
@@ -113,17 +113,16 @@ class PeerServer:
         error: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """SIGTERM, then kill; then whatever it left in its session (Ray's raylet, workers)."""
         if self.process is None:
             return
         group = os.getpgid(self.process.pid)
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        stop_server(self.process)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGKILL)  # helpers it left behind (Ray's raylet, workers)
+            os.killpg(group, signal.SIGKILL)
         self.process = None
 
 
@@ -138,12 +137,8 @@ class Lapguard(PeerServer):
         self.infer_path = f"/v2/models/{model_name(self.bundle)}/infer"
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def stop(self) -> None:
+        """``lapguard serve`` shares this process's session: stop it alone."""
         if self.process is not None:
             stop_server(self.process)
             self.process = None

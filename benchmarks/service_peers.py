@@ -38,6 +38,7 @@ from service_throughput import sample_pngs  # noqa: E402
 from wrk_load import ensure_wrk, run_wrk  # noqa: E402
 
 from detector.guard import Guard  # noqa: E402
+from detector.images import decode_image  # noqa: E402
 
 #: (name, concurrent clients, images per request)
 SCENARIOS = (("1 client", 1, 1), ("32 clients", 32, 1), ("4 x 64 images", 4, 64))
@@ -66,17 +67,11 @@ def check_answers(server: PeerServer, guard: Guard, pngs: list[bytes]) -> None:
                         headers={"content-type": "application/json"})  # fmt: skip
     answer.raise_for_status()
     outputs = {o["name"]: o["data"] for o in answer.json()["outputs"]}
-    expected = guard.predict_images([guard_decode(png) for png in pngs])
+    expected = guard.predict_images([decode_image(png) for png in pngs])
     if outputs["label"] != expected.labels.tolist():
         raise SystemExit(f"{server.name} answers other labels than the Guard")
     if not np.allclose(outputs["score"], expected.scores, rtol=1e-4, atol=1e-5):
         raise SystemExit(f"{server.name} answers other scores than the Guard")
-
-
-def guard_decode(png: bytes) -> np.ndarray:
-    from detector.images import decode_image
-
-    return decode_image(png)
 
 
 def measure_server(
