@@ -118,9 +118,7 @@ class Runtime:
             metrics=self.metrics,
             # torch's thread count is per thread once a thread has used it: set it where the
             # forward passes run
-            worker_setup=partial(torch.set_num_threads, s.torch_threads)
-            if s.torch_threads
-            else None,
+            worker_setup=partial(torch.set_num_threads, self.torch_threads),
         )
         self.batcher.start()
         logger.info(
