@@ -3,6 +3,7 @@ finishes in-flight requests, readiness waits for warm-up, health answers during 
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -11,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from service.settings import Settings
+from service.settings import Settings, default_torch_threads, usable_cores
 from tests.live_server import LiveServer
 from tests.service_helpers import error_code
 
@@ -133,6 +134,23 @@ class ThreadsProbeGuard(SlowGuard):
         return self._guard.predict(x)
 
 
+def test_unset_torch_threads_follow_the_batchs_requests(service_bundle, guard, images) -> None:
+    """Unset, a one-image request's forward pass keeps a core for the event loop; a request of
+    eight or more images takes every core."""
+    probe = ThreadsProbeGuard(guard)
+    before = torch.get_num_threads()
+    settings = Settings(bundle=service_bundle, warmup=False)
+    eight = [("files", (f"{i}.png", images[i % 5], "image/png")) for i in range(8)]
+    try:
+        with LiveServer(settings, guard=probe) as live, httpx.Client(base_url=live.url) as c:
+            one = c.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")})
+            assert one.status_code == 200
+            assert c.post("/v1/predict", files=eight).status_code == 200
+        assert probe.threads == [default_torch_threads(), usable_cores()]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_torch_threads_sets_the_forward_passes_threads(service_bundle, guard, images) -> None:
     """``torch_threads`` (LAPGUARD_TORCH_THREADS, ``--torch-threads``) is the thread count of
     the forward passes (set in the batch thread: torch's count is per thread once used)."""
@@ -147,3 +165,14 @@ def test_torch_threads_sets_the_forward_passes_threads(service_bundle, guard, im
         assert probe.threads and set(probe.threads) == {wanted}
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_start_up_heap_is_frozen_once_ready(service_bundle, guard) -> None:
+    """Once warm, the objects of start-up are out of the cyclic collector's sight
+    (``gc.freeze``): its full collections no longer walk them with the interpreter lock held;
+    stopping gives them back."""
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    with LiveServer(Settings(bundle=service_bundle), guard=guard):
+        assert gc.get_freeze_count() > 10_000
+    assert gc.get_freeze_count() == 0  # unfrozen on stop
