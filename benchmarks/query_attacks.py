@@ -126,9 +126,10 @@ def run_attacks(url: str, model: str, images: np.ndarray, labels: np.ndarray, ar
         detected = [q for q in found if q is not None]
         median = statistics.median(detected) if detected else float("nan")
         undetected = ", ".join(f"{q} x{ended.count(q)}" for q in sorted(set(ended))) or "none"
+        at = ", ".join(f"{q} x{detected.count(q)}" for q in sorted(set(detected))) or "none"
         print(
             f"{name}: {len(detected)}/{len(found)} runs detected; queries until detection: "
-            f"median {median}, max {max(detected, default=0)}; undetected runs ended after "
+            f"median {median}, max {max(detected, default=0)} ({at}); undetected runs ended after "
             f"(queries x runs): {undetected} ({time.perf_counter() - started:.0f} s)",
             flush=True,
         )

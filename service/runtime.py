@@ -212,7 +212,9 @@ class Runtime:
         """Batch worker: the Guard's one forward pass, plus the query embeddings when enabled."""
         result = served.guard.predict(batch)
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-        embeddings = self._embedder(batch) if self._embedder is not None else None
+        embeddings = (
+            self._embedder(batch, labels=result.labels) if self._embedder is not None else None
+        )
         return ServedResult(**fields, embeddings=embeddings, served=served)
 
     async def _in_store(self, call: Any, *args: Any) -> Any:

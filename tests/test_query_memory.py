@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from service.query_memory import (
+    LABEL_MASK,
     InProcessStore,
     QueryEmbedder,
     QueryMemory,
@@ -97,6 +98,16 @@ def test_signature_layout_and_digest(embed: QueryEmbedder, clean_images: np.ndar
     assert _far_counts(changed, rows[:1])[0] == 0  # ... which is still a neighbour
 
 
+def test_the_label_sits_in_the_digests_low_bits(embed: QueryEmbedder, clean_images) -> None:
+    batch = torch.from_numpy(clean_images[:3])
+    plain = embed(batch)
+    labelled = embed(batch, labels=np.array([7, 0, 65535 + 3]))
+    assert np.array_equal(plain[:, 1:], labelled[:, 1:])
+    assert np.array_equal(labelled[:, 0] & LABEL_MASK, [7, 0, 2])  # modulo 2**16
+    assert np.array_equal(labelled[:, 0] & ~LABEL_MASK, plain[:, 0])
+    assert len(set(plain[:, 0].tolist())) == 3  # the digest still tells the images apart
+
+
 def test_levels_differing_by_two_are_far_pixels(embed: QueryEmbedder) -> None:
     """Level boundaries at 0.25, 0.5, 0.75: a pixel is far exactly when its levels differ by 2+."""
     base = np.zeros((1, 1, 28, 28), dtype=np.float32)
@@ -163,6 +174,28 @@ def test_distinct_clean_images_resends_and_reencodes_are_not_flagged(
     resent = np.repeat(rows[:1], 30, axis=0)
     assert not memory.observe("resender", resent).any()
     assert len(store.recent("resender")) == 1  # resends are not stored again
+
+
+def test_a_neighbour_labelled_otherwise_flags_from_the_second_neighbour(
+    store: QueryStore, embed: QueryEmbedder, clean_images: np.ndarray
+) -> None:
+    """An image, then a near-duplicate the network labels otherwise (what an attack's first
+    successful or boundary-crossing query is): one such flip may be a benign re-encode of an
+    image on the boundary, so it flags once the query has 2 neighbours (the attack resending its
+    candidate, or its next probe), long before K; same-label near-duplicates do not (below K),
+    nor does another client's history."""
+    memory = _memory(store)
+    ball = near_duplicates(clean_images[3], 4, 0.01, seed=1)
+    same = embed(torch.from_numpy(ball), labels=np.array([2, 2, 2, 2]))
+    assert not memory.observe("calm", same[: K - 1]).any()
+    original = embed(torch.from_numpy(ball[:1]), labels=np.array([2]))
+    crossed = embed(torch.from_numpy(ball[1:2]), labels=np.array([5]))
+    assert not memory.observe("attacker", original).any()
+    assert not memory.observe("attacker", crossed).any()  # one neighbour: a re-encode may flip
+    assert memory.observe("attacker", crossed).all()  # resent: two neighbours, one flipped
+    assert not memory.observe("other", crossed).any()
+    probes = embed(torch.from_numpy(ball[1:4]), labels=np.array([2, 6, 6]))  # one request
+    assert memory.observe("batched", probes).tolist() == [False, False, True]
 
 
 def test_a_request_is_compared_with_its_own_earlier_images(
