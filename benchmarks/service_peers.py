@@ -11,10 +11,12 @@ The same bundle's Guard is served, one server at a time, by
 Every server receives the same Open Inference Protocol body (a BYTES input of base64 PNGs) and
 answers label, flagged and score; the benchmark first checks that each one's answer equals the
 in-process Guard's. Load comes from ``wrk`` (C, one thread): 1 and 32 concurrent single-image
-clients and 4 clients of 64-image requests, ``--seconds`` each after a warm-up. Servers are run in
-turn, ``--rounds`` times, the order reversed every round (drift on this machine is minutes long);
-the table gives each figure's median over rounds and the ratios lapguard / best peer and lapguard
-/ floor. MLServer and Ray are installed by the benchmark into ``--peers-venv`` (which sees the
+clients and 4 clients of 64-image requests, ``--seconds`` each after a warm-up. lapguard runs with
+its own defaults (it picks the forward pass's threads per batch); every other server runs once at
+each of ``--peer-threads`` (default: the cores less one, and all cores), so each is compared at
+its best. Servers are run in turn, ``--rounds`` times, the order reversed every round (drift on
+this machine is minutes long); the table gives each figure's median over rounds and the ratios
+lapguard / best peer and lapguard / best floor, per scenario. MLServer and Ray are installed by the benchmark into ``--peers-venv`` (which sees the
 product's packages for torch), so the product's dependencies stay lean. Run it alone.
 """
 
@@ -39,6 +41,7 @@ from wrk_load import ensure_wrk, run_wrk  # noqa: E402
 
 from detector.guard import Guard  # noqa: E402
 from detector.images import decode_image  # noqa: E402
+from service.settings import default_torch_threads, usable_cores  # noqa: E402
 
 #: (name, concurrent clients, images per request)
 SCENARIOS = (("1 client", 1, 1), ("32 clients", 32, 1), ("4 x 64 images", 4, 64))
@@ -54,7 +57,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--torch-threads",
         type=int,
-        help="the forward pass's threads in every server (LAPGUARD_TORCH_THREADS; default lapguard's)",
+        help="lapguard's forward-pass threads (LAPGUARD_TORCH_THREADS; default: its own choice)",
+    )
+    p.add_argument(
+        "--peer-threads",
+        default=",".join(str(t) for t in sorted({default_torch_threads(), usable_cores()})),
+        help="the peers' and the floor's thread counts, each run at every one (default: the cores "
+        "less one, and all cores: the best of a peer is what a user tuning it would get)",
     )
     p.add_argument("--peers-venv", type=Path, default=Path(".venv-peers"))
     p.add_argument("--out", type=Path, help="write results.json and table.md here")
@@ -75,7 +84,7 @@ def check_answers(server: PeerServer, guard: Guard, pngs: list[bytes]) -> None:
 
 
 def measure_server(
-    server: PeerServer, bodies: dict[int, bytes], args: argparse.Namespace
+    server: PeerServer, bodies: dict[int, bytes], args: argparse.Namespace, label: str
 ) -> dict[str, dict[str, float]]:
     """Each scenario's wrk figures on a running server (images/s added)."""
     figures = {}
@@ -88,7 +97,7 @@ def measure_server(
         result["images_per_s"] = result["rate"] * images
         figures[name] = result
         bad = result["errors"] + result["socket_errors"]
-        print(f"  {server.name:10s} {name:14s} {result['images_per_s']:8.1f} images/s  "
+        print(f"  {label:14s} {name:14s} {result['images_per_s']:8.1f} images/s  "
               f"p50 {result['p50']:7.2f} ms  p99 {result['p99']:7.2f} ms"
               + (f"  ({bad:.0f} errors)" if bad else ""), flush=True)  # fmt: skip
     return figures
@@ -117,27 +126,40 @@ def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
 
 
 def ratio_lines(results: dict[str, dict[str, dict[str, float]]]) -> list[str]:
-    """lapguard / best peer and lapguard / floor (throughput), and the 1-client p50s."""
+    """lapguard / best peer and lapguard / best floor (throughput, each at its best thread count
+    per scenario), and the 1-client p50s."""
     if "lapguard" not in results:
         return []
     ours = results["lapguard"]
-    peers = {k: v for k, v in results.items() if k not in ("lapguard", "floor")}
+    peers = {k: v for k, v in results.items() if k != "lapguard" and not k.startswith("floor")}
+    floors = {k: v for k, v in results.items() if k.startswith("floor")}
     lines = []
     for name, _, _ in SCENARIOS:
         parts = []
-        if peers:
-            best = max(peers, key=lambda p: peers[p][name]["images_per_s"])
-            ratio = ours[name]["images_per_s"] / peers[best][name]["images_per_s"]
-            parts.append(f"lapguard / best peer ({best}) {ratio:.2f}")
-        if "floor" in results:
-            ratio = ours[name]["images_per_s"] / results["floor"][name]["images_per_s"]
-            parts.append(f"lapguard / floor {ratio:.2f}")
+        for kind, group in (("best peer", peers), ("floor", floors)):
+            if group:
+                best = max(group, key=lambda p: group[p][name]["images_per_s"])
+                ratio = ours[name]["images_per_s"] / group[best][name]["images_per_s"]
+                parts.append(f"lapguard / {kind} ({best}) {ratio:.2f}")
         lines.append(f"- {name}: " + ", ".join(parts))
     if peers:
         best = min(peers, key=lambda p: peers[p]["1 client"]["p50"])
         lines.append(f"- p50 at 1 client: lapguard {ours['1 client']['p50']:.2f} ms, best peer "
                      f"({best}) {peers[best]['1 client']['p50']:.2f} ms")  # fmt: skip
     return lines
+
+
+def entries(names: list[str], args: argparse.Namespace) -> list[tuple[str, str, int | None]]:
+    """(label, server, torch threads) of each server to run: lapguard once, with its own choice
+    unless ``--torch-threads``; every other server at each of ``--peer-threads``."""
+    counts = sorted({int(t) for t in args.peer_threads.split(",") if t.strip()})
+    chosen: list[tuple[str, str, int | None]] = []
+    for name in names:
+        if name == "lapguard":
+            chosen.append((name, name, args.torch_threads))
+        else:
+            chosen += [(f"{name} x{t}", name, t) for t in counts]
+    return chosen
 
 
 def main() -> None:
@@ -153,15 +175,16 @@ def main() -> None:
     guard = Guard.from_bundle(args.bundle, device="cpu")
     pngs = sample_pngs(guard, 64)
     bodies = {1: v2_body(pngs[:1]), 64: v2_body(pngs)}
-    runs: dict[str, list[dict[str, dict[str, float]]]] = {name: [] for name in names}
+    chosen = entries(names, args)
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {label: [] for label, _, _ in chosen}
     started = time.monotonic()
     for round_ in range(args.rounds):
-        order = names if round_ % 2 == 0 else names[::-1]
-        print(f"round {round_ + 1}/{args.rounds}: {', '.join(order)}", flush=True)
-        for name in order:
-            with SERVERS[name](args.bundle, peers_python, args.torch_threads) as server:
+        order = chosen if round_ % 2 == 0 else chosen[::-1]
+        print(f"round {round_ + 1}/{args.rounds}: {', '.join(e[0] for e in order)}", flush=True)
+        for label, name, threads in order:
+            with SERVERS[name](args.bundle, peers_python, threads) as server:
                 check_answers(server, guard, pngs[:8])
-                runs[name].append(measure_server(server, bodies, args))
+                runs[label].append(measure_server(server, bodies, args, label))
     results = {name: median_figures(figures) for name, figures in runs.items()}
     text = table(results)
     print(f"\nmedians over {args.rounds} rounds ({time.monotonic() - started:.0f} s in all):\n")
