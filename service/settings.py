@@ -43,7 +43,14 @@ class Settings(BaseSettings):
 
     # Micro-batching
     max_batch_size: int = Field(
-        default=64, ge=1, le=4096, description="most images per forward pass"
+        default=256,
+        ge=1,
+        le=4096,
+        description=(
+            "most images per forward pass; a batch takes what is queued, so this only caps it "
+            "(measured on 2 cores: 4 clients of 64-image requests gain ~7% at 256 against 64, "
+            "which kept each request in a batch of its own)"
+        ),
     )
     max_wait_ms: float = Field(
         default=0.0,
