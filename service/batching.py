@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lapguard.service")
 
 Predict = Callable[[torch.Tensor], "GuardResult"]
-#: Called once per batch in the worker thread: the function that scores that batch's chunks.
+#: Called once per batch in the batch thread: the function that scores that batch's chunks.
 Predictor = Callable[[], Predict]
 
 
@@ -353,9 +353,7 @@ def _prepare_together(parts: Sequence[Images]) -> dict[int, torch.Tensor]:
     are converted one by one, to name the image at fault)."""
     groups: dict[tuple[object, ...], list[tuple[int, Decoded]]] = {}
     for index, images in enumerate(parts):
-        key = images.key() if isinstance(images, Decoded) else None
-        if key is not None:
-            assert isinstance(images, Decoded)
+        if isinstance(images, Decoded) and (key := images.key()) is not None:
             groups.setdefault(key, []).append((index, images))
     tensors: dict[int, torch.Tensor] = {}
     for members in groups.values():
