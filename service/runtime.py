@@ -190,7 +190,9 @@ class Runtime:
                 history=s.query_history,
                 width=width,
                 ttl_s=s.query_ttl_s,
-                prefix=f"lapguard:{self.model_name}:l{s.query_levels}w{width}:",
+                # the signature's layout is in the key (labelled digests since "s2"): replicas
+                # of another version never read each other's rows
+                prefix=f"lapguard:{self.model_name}:s2l{s.query_levels}w{width}:",
             )
         else:
             store = InProcessStore(
