@@ -115,6 +115,7 @@ class Runtime:
             self._predictor,
             max_batch_size=s.max_batch_size,
             max_wait_s=s.max_wait_ms / 1000.0,
+            linger=s.batch_linger,
             max_queue=s.max_queue,
             metrics=self.metrics,
             # torch's thread count is per thread once a thread has used it: set it where the

@@ -62,6 +62,16 @@ class Settings(BaseSettings):
             "at 0 vs 10.9 ms at 2 ms, the same throughput under 32 clients)"
         ),
     )
+    batch_linger: float = Field(
+        default=0.5,
+        ge=0,
+        le=4,
+        description=(
+            "while fewer images are queued than the previous batch had, wait up to this "
+            "fraction of its compute time for the clients just answered to send their next "
+            "requests (0: take what is queued at once)"
+        ),
+    )
     max_queue: int = Field(
         default=512, ge=1, description="most images waiting; more are answered 429"
     )

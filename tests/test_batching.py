@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -26,12 +27,14 @@ class Recorder:
         self.batches: list[tuple[int, int]] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.delay = 0.0  # seconds each batch takes at least (a slower network)
 
     def __call__(self):
         return self.predict
 
     def predict(self, batch: torch.Tensor):
         self.gate.wait(10)
+        time.sleep(self.delay)
         self.batches.append((int(batch.shape[0]), torch.get_num_threads()))
         return self.guard.predict(batch)
 
@@ -126,6 +129,50 @@ def test_the_batch_thread_picks_threads_per_batch(guard) -> None:
         (1, default_torch_threads()),
         (LARGE_REQUEST_IMAGES, adaptive_torch_threads(LARGE_REQUEST_IMAGES, 1)),
     ]
+
+
+@pytest.mark.parametrize("linger", [0.0, 1.0])
+def test_linger_gathers_the_answered_clients_next_requests(guard, linger: float) -> None:
+    """On a network that takes 0.1 s a batch, after a batch of 4 requests their clients come
+    back one by one, 20 ms apart: with linger the batch thread waits for all 4 and runs them
+    together; without, the first runs alone. When only one comes back, the wait ends after
+    ``linger`` x the previous batch's time."""
+    recorder = Recorder(guard)
+    recorder.delay = 0.1
+
+    async def scenario() -> float:
+        batcher = MicroBatcher(
+            recorder, max_batch_size=64, max_wait_s=0.0, max_queue=64, linger=linger
+        )
+        batcher.start()
+        recorder.gate.clear()
+        first = asyncio.ensure_future(batcher.submit(decoded(guard, pixels(1, 1))))
+        await asyncio.sleep(0.05)  # held at the gate: the next 4 queue up behind it
+        four = [
+            asyncio.ensure_future(batcher.submit(decoded(guard, pixels(1, s)))) for s in range(4)
+        ]
+        await asyncio.sleep(0.05)
+        recorder.gate.set()
+        await asyncio.gather(first, *four)
+        returning = []
+        for seed in range(4):
+            returning.append(asyncio.ensure_future(batcher.submit(decoded(guard, pixels(1, seed)))))
+            await asyncio.sleep(0.02)
+        await asyncio.gather(*returning)
+        started = time.perf_counter()
+        await batcher.submit(decoded(guard, pixels(1, 7)))  # only 1 of the 4 comes back
+        waited = time.perf_counter() - started
+        await batcher.close(timeout=5)
+        return waited
+
+    waited = run(scenario())
+    sizes = [size for size, _ in recorder.batches]
+    assert sizes[:2] == [1, 4]
+    if linger:
+        assert sizes[2:] == [4, 1]
+        assert 0.1 + 0.1 * linger <= waited < 0.1 + 0.1 * linger + 0.15
+    else:
+        assert sizes[2] == 1 and sum(sizes[2:]) == 5
 
 
 def test_adaptive_threads_rule(monkeypatch) -> None:
