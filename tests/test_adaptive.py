@@ -112,6 +112,22 @@ def test_adaptive_attacks_return_valid_images_within_budget(system: dict, attack
         np.testing.assert_array_equal(out, again)
 
 
+@pytest.mark.parametrize("init", ["nearest-clean", "random"])
+def test_system_hsj_returns_the_start_or_an_image_the_system_passes(
+    system: dict, init: str
+) -> None:
+    """HopSkipJump on the system only moves along images the system answers with the start's
+    network label unflagged; where it finds no such start (the seed's noise draws are all
+    flagged), the detected start comes back unchanged."""
+    a, x, x_start, y = system["attacker"], system["x"], system["x_adv"], system["y"]
+    out = run_adaptive("system-hsj", a, x, x_start, y, {**FAST["system-hsj"], "init": init})
+    wanted = a.target.flagged(x_start)[0]
+    labels, flagged = a.target.flagged(out)
+    moved = np.abs(out - x_start).reshape(len(x), -1).max(axis=1) > 1e-6
+    assert ((labels == wanted) & ~flagged)[moved].all()
+    assert (np.abs(out - x_start)[~moved] <= 1e-6).all()
+
+
 def test_evasion_metric_by_hand() -> None:
     y = np.array([0, 0, 0, 0, 0])
     # starts: rows 0-2 successful and flagged (the pool), row 3 successful unflagged, row 4 failed

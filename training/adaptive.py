@@ -256,7 +256,7 @@ def _budget(params: dict[str, Any]) -> str:
     if "eps" in params:
         return f"{params['norm']} eps={params['eps']:g}, {params['steps']} steps"
     if "max_eval" in params:
-        return f"HSJ {params['max_iter']} it / {params['max_eval']} evals"
+        return f"HSJ {params['max_iter']} it / {params['max_eval']} evals, {params['init']} start"
     return f"HSJ {params['hsj_max_iter']} it / {params['hsj_max_eval']} evals + L-BFGS"
 
 

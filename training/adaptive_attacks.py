@@ -110,6 +110,12 @@ class SystemHSJParams(AdaptiveParams):
     max_iter: int = Field(50, ge=1)
     max_eval: int = Field(10000, ge=1)
     init_eval: int = Field(100, ge=1)
+    init: Literal["nearest-clean", "random"] = Field(
+        "nearest-clean",
+        description="where HopSkipJump starts: the nearest training-side clean image the system "
+        "passes with the wanted label, or ART's uniform-noise draws (the seed's run: up to 100 "
+        "draws, the attack fails when the system flags them all)",
+    )
 
 
 class FeatureMatchParams(AdaptiveParams):
@@ -224,7 +230,8 @@ def system_hsj(
 ) -> np.ndarray:
     """Targeted HopSkipJump on the system 'network label, or class K = detected' from ``x_start``
     towards its network label; started (``x_adv_init``) from the nearest training-side clean
-    image the system passes with that label (a random start is almost always detected)."""
+    image the system passes with that label, or (``init="random"``, the seed's run) from ART's
+    uniform-noise draws, which the system almost always flags."""
     from art.estimators.classification import BlackBoxClassifier
 
     k = network_config(a.model).num_classes
@@ -242,9 +249,14 @@ def system_hsj(
     for c in np.unique(wanted):
         rows = np.flatnonzero(wanted == c)
         passing = np.flatnonzero((ref_labels == c) & ~ref_flagged)
-        if not passing.size:
+        if p.init == "random":
+            inits = None
+        elif passing.size:
+            inits = a.reference_images[
+                passing[_nearest(x_start[rows], a.reference_images[passing])]
+            ]
+        else:
             continue
-        inits = a.reference_images[passing[_nearest(x_start[rows], a.reference_images[passing])]]
         attack = _hsj(
             classifier,
             targeted=True,
@@ -253,7 +265,8 @@ def system_hsj(
             init_eval=p.init_eval,
         )
         target = np.eye(k + 1, dtype=np.float32)[np.full(len(rows), c)]
-        out[rows] = attack.generate(x=x_start[rows], y=target, x_adv_init=inits.copy())
+        init = None if inits is None else inits.copy()
+        out[rows] = attack.generate(x=x_start[rows], y=target, x_adv_init=init)
     return out
 
 
