@@ -173,7 +173,7 @@ def test_random_pool_draws_different_members_and_flags_at_each_threshold(
     assert target.guard.threshold == 0.0
 
 
-def test_report_section_shows_each_row() -> None:
+def test_report_section_shows_each_row(tmp_path) -> None:
     from training.adaptive_report import adaptive_section
 
     row = {
@@ -183,10 +183,24 @@ def test_report_section_shows_each_row() -> None:
         "final_detection_rate": 0.7, "median_l2": 1.2, "median_linf": 0.03,
         "seconds_per_image": 0.5, "surrogate_agreement": 0.9,
     }  # fmt: skip
-    lines = adaptive_section({"adaptive": [row, {**row, "model": "vanilla", "evasion_rate": None}]})
+    pooled = {**row, "target": "transport-pool5", "evasion_rate": 0.05, "start_median_l2": 0.9}
+    rows = [row, pooled, {**row, "model": "vanilla", "evasion_rate": None}]
+    lines = adaptive_section({"adaptive": rows}, tmp_path)
     table = "\n".join(lines)
     assert lines[0] == "## Adaptive attacks"
     assert "| LAP " in table and "| VAN " in table and "10.0" in table and "90.0%" in table
+
+    # the comparison: one row for the attack, the single detector beside the pool, per network
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    tables = [t for t in table.splitlines() if t.startswith(("| Attack", "| surrogate"))]
+    assert cells(tables[0]) == [
+        "Attack", "Budget", "VAN transport (%)", "LAP transport (%)", "LAP transport-pool5 (%)"
+    ]  # fmt: skip
+    assert cells(tables[1]) == ["surrogate-pgd", "Linf eps=0.03, 100 steps", "-", "10.0", "5.0"]
+    assert (tmp_path / "figures" / "adaptive_evasion.png").stat().st_size > 1000
+    assert "0.900" in table  # the start images' median L2
     assert adaptive_section({}) == []
 
 

@@ -230,6 +230,7 @@ def run_attack(
         "budget": _budget(resolved),
         **evasion_metrics(start.y, start_verdict, target.flagged(x_final), attacked),
         **perturbation_metrics(start.x[rows], x_adv),
+        "start_median_l2": perturbation_metrics(start.x[rows], start.x_start[rows])["median_l2"],
         "seconds_per_image": seconds / len(rows) if len(rows) else None,
         "target_fpr": run.config.target_fpr,
         "thresholds": [c.threshold for c in target.calibrations],

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from training.plots import plot_adaptive_evasion
 from training.report import MODEL_LABELS, markdown_table, order_models
 
 HEADER = (
@@ -19,6 +21,7 @@ HEADER = (
     "Pool mean evasion (%)",
     "Start det. (%)",
     "Final det. (%)",
+    "Start median L2",
     "Median L2",
     "Median L∞",
     "s/image",
@@ -31,7 +34,8 @@ NOTE = (
     "command resumes). Evasion: share of the attacked images turned into images that fool the "
     "network and pass the target (one fresh query; for a pool, one random member; pool mean evasion: the same averaged over the members, what a random draw gives in expectation). Start/final "
     "det.: share of successful start/final images flagged (final: attacked images replaced by "
-    "the attack's result). Distances to the clean image. Targets are fitted on the training "
+    "the attack's result). Distances to the clean image (start median L2: the start images' "
+    "own, over the attacked rows). Targets are fitted on the training "
     "side and calibrated at the target FPR there; 'pool' targets answer each query with a "
     "member drawn at random."
 )
@@ -62,6 +66,7 @@ def adaptive_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
             _percent(r.get("member_evasion_rate")),
             _percent(r["start_detection_rate"]),
             _percent(r["final_detection_rate"]),
+            _number(r.get("start_median_l2"), 3),
             _number(r["median_l2"], 3),
             _number(r["median_linf"], 3),
             _number(r["seconds_per_image"], 2),
@@ -70,11 +75,50 @@ def adaptive_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
     ]
 
 
-def adaptive_section(results: Mapping[str, Any]) -> list[str]:
-    """'## Adaptive attacks': the table and how to read it; nothing when no rows exist."""
+def _column(row: Mapping[str, Any]) -> str:
+    return f"{MODEL_LABELS.get(row['model'], row['model'].upper())} {row['target']}"
+
+
+def _by_column(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Rows ordered by network (the report's order), then target."""
+    order = {m: i for i, m in enumerate(order_models(r["model"] for r in rows))}
+    return sorted(rows, key=lambda r: (order[r["model"]], r["target"]))
+
+
+def evasion_matrix(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the comparison table: one row per (attack, budget), one evasion
+    column per (network, target): the single detector beside the pool."""
+    columns = list(dict.fromkeys(_column(r) for r in _by_column(rows)))
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for r in rows:
+        cells.setdefault((r["attack"], r["budget"]), {})[_column(r)] = _percent(r["evasion_rate"])
+    body = [
+        [attack, budget, *(cells[(attack, budget)].get(c, "-") for c in columns)]
+        for attack, budget in sorted(cells)
+    ]
+    return ["Attack", "Budget", *(f"{c} (%)" for c in columns)], body
+
+
+def adaptive_section(results: Mapping[str, Any], run_dir: Path | None = None) -> list[str]:
+    """'## Adaptive attacks': the comparison table (and its figure, with ``run_dir``), the full
+    table and how to read them; nothing when no rows exist."""
     rows = list(results.get("adaptive", []))
     if not rows:
         return []
+    header, matrix = evasion_matrix(rows)
+    comparison = [
+        "Evasion rate of each attack on each network's target, the single detector beside the "
+        "pool drawn per query (item 2):",
+        "",
+        markdown_table(header, matrix, left=2),
+        "",
+    ]
+    if run_dir is not None:
+        figure = plot_adaptive_evasion(
+            _by_column(rows), _column, Path(run_dir) / "figures" / "adaptive_evasion.png"
+        )
+        caption = "Evasion rate per adaptive attack, network and target"
+        comparison += [f"![{caption}]({figure.relative_to(run_dir).as_posix()})", ""]
     agreement = [
         f"{MODEL_LABELS.get(r['model'], r['model'])} {r['target']}: "
         f"{100 * r['surrogate_agreement']:.1f}%"
@@ -84,6 +128,7 @@ def adaptive_section(results: Mapping[str, Any]) -> list[str]:
     lines = [
         "## Adaptive attacks",
         "",
+        *comparison,
         markdown_table(HEADER, adaptive_rows(rows), left=4),
         "",
         NOTE,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -335,4 +335,36 @@ def plot_block_curves(
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize="x-small", loc="best")
     _finish(fig, title)
+    return _save(fig, path)
+
+
+def plot_adaptive_evasion(
+    rows: Sequence[Mapping[str, Any]], column: Callable[[Mapping[str, Any]], str], path: str | Path
+) -> Path:
+    """Grouped horizontal bars: the evasion rate (%) of each (attack, budget) per
+    ``column(row)`` (network and target), labelled with the attacked images."""
+    path = Path(path)
+    groups = sorted({(r["attack"], r["budget"]) for r in rows})
+    columns = list(dict.fromkeys(column(r) for r in rows))
+    height = 0.8 / max(1, len(columns))
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.35 * len(groups) * len(columns)))
+    for j, name in enumerate(columns):
+        values = {(r["attack"], r["budget"]): r for r in rows if column(r) == name}
+        ys = [i + j * height for i, g in enumerate(groups) if g in values]
+        found = [values[g] for g in groups if g in values]
+        rates = [100 * (r["evasion_rate"] or 0.0) for r in found]
+        bars = ax.barh(ys, rates, height=height, label=name)
+        for bar, r in zip(bars, found, strict=True):
+            ax.annotate(
+                f"{100 * (r['evasion_rate'] or 0):.1f}% of {r['n_attacked']}",
+                (bar.get_width(), bar.get_y() + height / 2),
+                xytext=(3, 0), textcoords="offset points", va="center", fontsize=7,
+            )  # fmt: skip
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(groups))])
+    ax.set_yticklabels([f"{a}\n{b}" for a, b in groups], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 115)
+    ax.set_xlabel("evasion rate (%): detected successful images turned undetected successful")
+    ax.legend(fontsize=7, loc="lower right")
+    _finish(fig, "Adaptive attacks on the network + detector system")
     return _save(fig, path)

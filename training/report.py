@@ -958,7 +958,7 @@ def write_report(run_dir: Path) -> Path:
         *ood_section(ood, rows),
         *security_section(detection, rows),
         *deployed_section(run_dir, config, detection),
-        *adaptive_section(results),
+        *adaptive_section(results, run_dir),
         *learning_curve_section(run_dir, results),
         *timing_section(results),
         *dynamics_section(run_dir),
