@@ -354,9 +354,9 @@ def plot_adaptive_evasion(
         found = [values[g] for g in groups if g in values]
         rates = [100 * (r["evasion_rate"] or 0.0) for r in found]
         bars = ax.barh(ys, rates, height=height, label=name)
-        for bar, r in zip(bars, found, strict=True):
+        for bar, r, rate in zip(bars, found, rates, strict=True):
             ax.annotate(
-                f"{100 * (r['evasion_rate'] or 0):.1f}% of {r['n_attacked']}",
+                f"{rate:.1f}% of {r['n_attacked']}",
                 (bar.get_width(), bar.get_y() + height / 2),
                 xytext=(3, 0), textcoords="offset points", va="center", fontsize=7,
             )  # fmt: skip
