@@ -62,6 +62,7 @@ class DetectorSpec(BaseModel):
     embeddings: bool = False
     head: bool = False
     start: bool = False
+    image: bool = False
 
     @property
     def feature_spec(self) -> FeatureSpec:
@@ -73,6 +74,7 @@ class DetectorSpec(BaseModel):
             embeddings=self.embeddings,
             head=self.head,
             start=self.start,
+            image=self.image,
         )
 
     @field_validator("kind")
@@ -236,6 +238,7 @@ def write_bundle(
             embeddings=spec.embeddings,
             head=spec.head,
             start=spec.start,
+            image=spec.image,
         ),
         threshold=float(calibration.threshold),
         target_fpr=float(calibration.target_fpr),

@@ -9,10 +9,10 @@ copy, no flatten of a non-contiguous tensor), so the residual itself is never ke
 Optional extras (:class:`FeatureSpec`): cosines to further fixed +-1 directions (seeded, balanced
 Rademacher signs, orthogonal to 1 and nearly orthogonal to each other); the same statistics of the
 embeddings x_{m+1} (each block's output; seed 003 §5.3.1 allows embeddings as well as residues);
-the line-shape score of the trajectory (seed 001, eq. 43-44); where the trajectory starts (x_0,
-the first block's input: its msq and cos and how its energy spreads over the image, see
-:func:`spatial_statistics`); and where it ends for the classifier (head: top-1 minus top-2 logit
-margin, max softmax probability, log-sum-exp).
+the line-shape score of the trajectory (seed 001, eq. 43-44); what enters the network (the input
+image itself) and where the trajectory starts (x_0, the first block's input): for each, its msq and
+cos and how its energy spreads over the image (:func:`spatial_statistics`); and where it ends for
+the classifier (head: top-1 minus top-2 logit margin, max softmax probability, log-sum-exp).
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ from detector.taps import ResidualTaps, Tap, Taps
 DIRECTION_SEED = 20240601
 LINE_SHAPE = "line_shape"
 HEAD_NAMES = ("head_margin", "head_maxprob", "head_logsumexp")
-START_NAMES = tuple(
-    f"start_{name}"
-    for name in (
-        "msq", "cos", "kurtosis", "roughness", "peak", "l1",
-        "energy_q05", "energy_q25", "energy_q50", "spread_q10", "spread_q25", "spread_q50",
-    )
+SPATIAL_NAMES = (
+    "msq", "cos", "kurtosis", "roughness", "peak", "l1",
+    "energy_q05", "energy_q25", "energy_q50", "spread_q10", "spread_q25", "spread_q50",
 )  # fmt: skip
+IMAGE_NAMES = tuple(f"image_{name}" for name in SPATIAL_NAMES)
+START_NAMES = tuple(f"start_{name}" for name in SPATIAL_NAMES)
 ENERGY_QUANTILES = (0.05, 0.25, 0.5)
 SPREAD_QUANTILES = (0.1, 0.25, 0.5)
 
@@ -59,14 +58,18 @@ def feature_names(
     embeddings: bool = False,
     head: bool = False,
     start: bool = False,
+    image: bool = False,
 ) -> list[str]:
     """Column names, block-major: msq_0, cos_0, msq_1, cos_1, ..., cos_{m}_dir{j}; then with
-    ``embeddings`` the same named emb_*; then line_shape; then the start_* and head columns."""
+    ``embeddings`` the same named emb_*; then line_shape; then the image_*, start_* and head
+    columns."""
     names = _group_names("", n_blocks, extra_directions)
     if embeddings:
         names += _group_names("emb_", n_blocks, extra_directions)
     if line_shape:
         names.append(LINE_SHAPE)
+    if image:
+        names += IMAGE_NAMES
     if start:
         names += START_NAMES
     if head:
@@ -78,8 +81,8 @@ def feature_names(
 class FeatureSpec:
     """How transport features are computed: which residual taps (None: the network's default
     ones), how many extra +-1 directions, and which groups are appended: the embeddings' statistics,
-    the line-shape score, the trajectory's start x_0 (:func:`spatial_statistics`), the head's
-    (logit margin, max probability, log-sum-exp)."""
+    the line-shape score, the input image's and the trajectory's start x_0's
+    :func:`spatial_statistics`, the head's (logit margin, max probability, log-sum-exp)."""
 
     taps: tuple[str, ...] | None = None
     extra_directions: int = 0
@@ -87,6 +90,7 @@ class FeatureSpec:
     embeddings: bool = False
     head: bool = False
     start: bool = False
+    image: bool = False
 
     def __post_init__(self) -> None:
         if self.taps is not None and not isinstance(self.taps, tuple):
@@ -103,14 +107,16 @@ class FeatureSpec:
             embeddings=self.embeddings,
             head=self.head,
             start=self.start,
+            image=self.image,
         )
 
     def label(self) -> str:
-        """A short name: 'residues', '+emb', '+dir4', '+line', '+start', '+head' joined."""
+        """A short name: 'residues', '+emb', '+dir4', '+line', '+image', '+start', '+head' joined."""
         parts = ["residues"]
         parts += ["emb"] if self.embeddings else []
         parts += [f"dir{self.extra_directions}"] if self.extra_directions else []
         parts += ["line"] if self.line_shape else []
+        parts += ["image"] if self.image else []
         parts += ["start"] if self.start else []
         parts += ["head"] if self.head else []
         return "+".join(parts)
@@ -170,6 +176,9 @@ class TransportFeatureExtractor:
             [Tap(embedding_tap(self._taps.names[0]), "input")] if self.spec.start else [],
             transform=spatial_statistics,
         )
+        self._image = Taps(
+            model, [Tap("", "input")] if self.spec.image else [], transform=spatial_statistics
+        )
         # Every forward pass of the model starts a new trajectory (line shape).
         self._pass_start = Taps(model, [Tap("", "input")], transform=self._new_pass)
         self._directions: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
@@ -198,6 +207,8 @@ class TransportFeatureExtractor:
             self._embedding_taps.__enter__()
         if self.spec.head:
             self._head.__enter__()
+        if self.spec.image:
+            self._image.__enter__()
         if self.spec.start:
             self._start.__enter__()
         if self.line_shape:
@@ -210,7 +221,7 @@ class TransportFeatureExtractor:
 
     @property
     def _all_taps(self) -> tuple[Taps, ...]:
-        return (self._taps, self._embedding_taps, self._start, self._head)
+        return (self._taps, self._embedding_taps, self._image, self._start, self._head)
 
     def _new_pass(self, _inputs: torch.Tensor | None = None) -> bool:
         self._unit_sums = {}
@@ -284,6 +295,8 @@ class TransportFeatureExtractor:
             parts += _group_columns(self._embedding_taps.outputs)
         if self.line_shape:
             parts.append(self.line_shape_score().unsqueeze(1))
+        if self.spec.image:
+            parts.append(self._image.outputs[0])
         if self.spec.start:
             parts.append(self._start.outputs[0])
         if self.spec.head:

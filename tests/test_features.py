@@ -99,6 +99,26 @@ def test_start_embedding_and_head_groups_equal_hand_computation(
     np.testing.assert_allclose(features[:, -3:], head_statistics(logits), rtol=1e-5)
 
 
+def test_image_group_is_the_spatial_statistics_of_the_network_input(
+    tiny_network: torch.nn.Module,
+) -> None:
+    x = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(5))
+    x[:, :, :8] = 0.0  # a flat band, as Fashion-MNIST's background
+    spec = FeatureSpec(image=True, start=True, head=True)
+    with torch.no_grad(), TransportFeatureExtractor(tiny_network, spec) as fx:
+        tiny_network(x)
+        features = fx.features()
+    names = fx.feature_names
+    assert names == spec.names(2) and spec.label() == "residues+image+start+head"
+    assert names.index("image_msq") < names.index("start_msq") < names.index("head_margin")
+    first = names.index("image_msq")
+    np.testing.assert_allclose(
+        features[:, first : first + 12], spatial_statistics(x), rtol=1e-5, atol=1e-7
+    )
+    # The raw image, not the normalized stem input: msq is the image's own mean square.
+    np.testing.assert_allclose(features[:, first], x.square().flatten(1).mean(1), rtol=1e-5)
+
+
 def test_spatial_statistics_known_answers() -> None:
     constant = torch.full((2, 3, 6, 6), 2.0)
     stats = spatial_statistics(constant)

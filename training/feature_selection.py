@@ -40,6 +40,7 @@ def union_spec(candidates: Sequence[FeatureSpec]) -> FeatureSpec:
         embeddings=any(c.embeddings for c in candidates),
         head=any(c.head for c in candidates),
         start=any(c.start for c in candidates),
+        image=any(c.image for c in candidates),
     )
 
 

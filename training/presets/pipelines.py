@@ -27,20 +27,16 @@ class FeatureOptions(BaseModel):
     line_shape: bool = False
     head: bool = False
     start: bool = False
+    image: bool = False
 
     def spec(self) -> FeatureSpec:
-        return FeatureSpec(
-            extra_directions=self.extra_directions,
-            line_shape=self.line_shape,
-            embeddings=self.embeddings,
-            head=self.head,
-            start=self.start,
-        )
+        return FeatureSpec(**self.model_dump())
 
 
 # Seed 003 §5.3.1's feature sets, growing: residues; + the classifier's head; + embeddings; + the
 # trajectory's start x_0 (how its energy spreads over the image); + extra directions and the
-# line-shape score. The pipeline picks one on the training side.
+# line-shape score; each of the last three also with the input image's own spread (where a small
+# L-inf perturbation shows before the stem smooths it). The pipeline picks one on the training side.
 FEATURE_CANDIDATES = [
     FeatureOptions(),
     FeatureOptions(head=True),
@@ -48,6 +44,11 @@ FEATURE_CANDIDATES = [
     FeatureOptions(start=True, head=True),
     FeatureOptions(embeddings=True, start=True, head=True),
     FeatureOptions(embeddings=True, start=True, head=True, extra_directions=4, line_shape=True),
+    FeatureOptions(image=True, start=True, head=True),
+    FeatureOptions(embeddings=True, image=True, start=True, head=True),
+    FeatureOptions(
+        embeddings=True, image=True, start=True, head=True, extra_directions=4, line_shape=True
+    ),
 ]
 
 
