@@ -189,7 +189,7 @@ def test_guard_predict_is_the_network_and_the_detector(bundle_dir: Path, run: di
 
 
 ALL_GROUPS = FeatureSpec(
-    embeddings=True, start=True, head=True, extra_directions=1, line_shape=True
+    embeddings=True, image=True, start=True, head=True, extra_directions=1, line_shape=True
 )
 
 
