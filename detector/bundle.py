@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -67,15 +67,7 @@ class DetectorSpec(BaseModel):
     @property
     def feature_spec(self) -> FeatureSpec:
         """The feature options as one typed spec (the JSON keeps its flat keys)."""
-        return FeatureSpec(
-            taps=tuple(self.taps) if self.taps is not None else None,
-            extra_directions=self.extra_directions,
-            line_shape=self.line_shape,
-            embeddings=self.embeddings,
-            head=self.head,
-            start=self.start,
-            image=self.image,
-        )
+        return FeatureSpec(**self.model_dump(include={f.name for f in fields(FeatureSpec)}))
 
     @field_validator("kind")
     @classmethod
@@ -232,13 +224,7 @@ def write_bundle(
             kind=detector_kind(detector),
             params=params,
             feature_names=names,
-            taps=list(spec.taps) if spec.taps is not None else None,
-            extra_directions=spec.extra_directions,
-            line_shape=spec.line_shape,
-            embeddings=spec.embeddings,
-            head=spec.head,
-            start=spec.start,
-            image=spec.image,
+            **asdict(spec),
         ),
         threshold=float(calibration.threshold),
         target_fpr=float(calibration.target_fpr),
