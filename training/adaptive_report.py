@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from training.plots import plot_adaptive_evasion
-from training.report import MODEL_LABELS, _figure_link, markdown_table, order_models
+from training.report import MODEL_LABELS, figure_link, markdown_table, order_models
 from training.rundir import RunDir
 
 HEADER = (
@@ -119,7 +119,7 @@ def adaptive_section(results: Mapping[str, Any], run_dir: Path | None = None) ->
             _by_column(rows), _column, RunDir(run_dir).figures / "adaptive_evasion.png"
         )
         caption = "Evasion rate per adaptive attack, network and target"
-        comparison += _figure_link(Path(run_dir), figure, caption)
+        comparison += figure_link(Path(run_dir), figure, caption)
     agreement = [
         f"{MODEL_LABELS.get(r['model'], r['model'])} {r['target']}: "
         f"{100 * r['surrogate_agreement']:.1f}%"

@@ -694,7 +694,7 @@ def learning_curve_section(run_dir: Path, results: Mapping[str, Any]) -> list[st
         "",
         markdown_table(header, rows),
         "",
-        *_figure_link(run_dir, path, "Detection accuracy vs number of training pairs"),
+        *figure_link(run_dir, path, "Detection accuracy vs number of training pairs"),
     ]
 
 
@@ -845,14 +845,15 @@ def dynamics_section(run_dir: Path) -> list[str]:
         (ATTACKS_FIGURE, "Per-block dynamics, clean vs adversarial sets"),
     ):
         if (run.figures / name).is_file():
-            lines += _figure_link(run.path, run.figures / name, caption)
+            lines += figure_link(run.path, run.figures / name, caption)
     return lines
 
 
 # ---- figures ----------------------------------------------------------------------------------
 
 
-def _figure_link(run_dir: Path, path: Path, caption: str) -> list[str]:
+def figure_link(run_dir: Path, path: Path, caption: str) -> list[str]:
+    """Markdown lines embedding figure ``path`` (relative to ``run_dir``) with its caption."""
     return [f"![{caption}]({path.relative_to(run_dir).as_posix()})", "", f"*{caption}*", ""]
 
 
@@ -876,7 +877,7 @@ def roc_figures(
             path = plot_roc_curves(
                 panels, RunDir(run_dir).figures / f"roc_{detector}_{setting}.png", title=title
             )
-            lines += _figure_link(
+            lines += figure_link(
                 run_dir, path, f"ROC curves: {detector} detector, {setting} setting (first seed)"
             )
     return lines if len(lines) > 2 else []
@@ -910,7 +911,7 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
             clean=set_label(CLEAN),
             title=f"Transport cost, clean vs {kind} (dashed: clean 0.02 / 0.98 quantiles)",
         )
-        lines += _figure_link(
+        lines += figure_link(
             run_dir, hist, f"Transport cost C per sample, clean vs {kind} (seed fig. 21)"
         )
         traj = plot_feature_trajectories(
@@ -919,7 +920,7 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
             clean=set_label(CLEAN),
             title=f"Per-block features, clean vs {kind} (mean ± std)",
         )
-        lines += _figure_link(run_dir, traj, f"Per-block transport features, clean vs {kind}")
+        lines += figure_link(run_dir, traj, f"Per-block transport features, clean vs {kind}")
     return lines if len(lines) > 2 else []
 
 
