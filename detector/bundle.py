@@ -63,6 +63,7 @@ class DetectorSpec(BaseModel):
     head: bool = False
     start: bool = False
     image: bool = False
+    squeeze: bool = False
 
     @property
     def feature_spec(self) -> FeatureSpec:

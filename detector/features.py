@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from detector.errors import ConfigError, InputError
 from detector.networks import resolve_device
+from detector.squeeze import SQUEEZE_NAMES, squeeze_distances
 from detector.taps import ResidualTaps, Tap, Taps
 
 DIRECTION_SEED = 20240601
@@ -59,10 +60,11 @@ def feature_names(
     head: bool = False,
     start: bool = False,
     image: bool = False,
+    squeeze: bool = False,
 ) -> list[str]:
     """Column names, block-major: msq_0, cos_0, msq_1, cos_1, ..., cos_{m}_dir{j}; then with
-    ``embeddings`` the same named emb_*; then line_shape; then the image_*, start_* and head
-    columns."""
+    ``embeddings`` the same named emb_*; then line_shape; then the image_*, start_*, head and
+    squeeze_* columns."""
     names = _group_names("", n_blocks, extra_directions)
     if embeddings:
         names += _group_names("emb_", n_blocks, extra_directions)
@@ -74,6 +76,8 @@ def feature_names(
         names += START_NAMES
     if head:
         names += HEAD_NAMES
+    if squeeze:
+        names += SQUEEZE_NAMES
     return names
 
 
@@ -82,7 +86,8 @@ class FeatureSpec:
     """How transport features are computed: which residual taps (None: the network's default
     ones), how many extra +-1 directions, and which groups are appended: the embeddings' statistics,
     the line-shape score, the input image's and the trajectory's start x_0's
-    :func:`spatial_statistics`, the head's (logit margin, max probability, log-sum-exp)."""
+    :func:`spatial_statistics`, the head's (logit margin, max probability, log-sum-exp), and
+    how far the softmax moves under :mod:`detector.squeeze`'s squeezers (one extra forward pass)."""
 
     taps: tuple[str, ...] | None = None
     extra_directions: int = 0
@@ -91,6 +96,7 @@ class FeatureSpec:
     head: bool = False
     start: bool = False
     image: bool = False
+    squeeze: bool = False
 
     def __post_init__(self) -> None:
         if self.taps is not None and not isinstance(self.taps, tuple):
@@ -108,10 +114,11 @@ class FeatureSpec:
             head=self.head,
             start=self.start,
             image=self.image,
+            squeeze=self.squeeze,
         )
 
     def label(self) -> str:
-        """A short name: 'residues', '+emb', '+dir4', '+line', '+image', '+start', '+head' joined."""
+        """'residues', then '+emb', '+dir4', '+line', '+image', '+start', '+head', '+squeeze'."""
         parts = ["residues"]
         parts += ["emb"] if self.embeddings else []
         parts += [f"dir{self.extra_directions}"] if self.extra_directions else []
@@ -119,6 +126,7 @@ class FeatureSpec:
         parts += ["image"] if self.image else []
         parts += ["start"] if self.start else []
         parts += ["head"] if self.head else []
+        parts += ["squeeze"] if self.squeeze else []
         return "+".join(parts)
 
 
@@ -159,9 +167,16 @@ class TransportFeatureExtractor:
     (also after the block). One extractor serves one forward pass at a time.
     """
 
-    def __init__(self, model: nn.Module, spec: FeatureSpec | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: FeatureSpec | None = None,
+        *,
+        value_range: tuple[float, float] | None = None,
+    ) -> None:
         self.model = model
         self.spec = spec or FeatureSpec()
+        self.value_range = value_range or network_value_range(model)
         self.extra_directions = int(self.spec.extra_directions)
         self.line_shape = bool(self.spec.line_shape)
         self._taps = ResidualTaps(model, self.spec.taps, transform=self._reduce)
@@ -179,6 +194,14 @@ class TransportFeatureExtractor:
         self._image = Taps(
             model, [Tap("", "input")] if self.spec.image else [], transform=spatial_statistics
         )
+        # Squeeze: the pass's input and logits, kept for the squeezed pass features() runs.
+        self._squeeze_source = Taps(
+            model,
+            [Tap("", "input"), Tap("", "output")] if self.spec.squeeze else [],
+            transform=self._keep,
+        )
+        self._squeezed: torch.Tensor | None = None
+        self._hooked = False
         # Every forward pass of the model starts a new trajectory (line shape).
         self._pass_start = Taps(model, [Tap("", "input")], transform=self._new_pass)
         self._directions: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
@@ -202,26 +225,65 @@ class TransportFeatureExtractor:
         for taps in self._all_taps:
             taps.clear()  # never serve a previous context's values
         self._new_pass()
-        self._taps.__enter__()
-        if self.spec.embeddings:
-            self._embedding_taps.__enter__()
-        if self.spec.head:
-            self._head.__enter__()
-        if self.spec.image:
-            self._image.__enter__()
-        if self.spec.start:
-            self._start.__enter__()
-        if self.line_shape:
-            self._pass_start.__enter__()
+        self._squeezed = None
+        self._hook()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._unhook()
+
+    def _hook(self) -> None:
+        self._hooked = True
+        wanted = (
+            (self._taps, True),
+            (self._embedding_taps, self.spec.embeddings),
+            (self._head, self.spec.head),
+            (self._image, self.spec.image),
+            (self._start, self.spec.start),
+            (self._squeeze_source, self.spec.squeeze),
+            (self._pass_start, self.line_shape),
+        )
+        for taps, on in wanted:
+            if on:
+                taps.__enter__()
+
+    def _unhook(self) -> None:
+        self._hooked = False
         for taps in (*self._all_taps, self._pass_start):
-            taps.__exit__(*exc)
+            taps.__exit__(None, None, None)
 
     @property
     def _all_taps(self) -> tuple[Taps, ...]:
-        return (self._taps, self._embedding_taps, self._image, self._start, self._head)
+        return (
+            self._taps,
+            self._embedding_taps,
+            self._image,
+            self._start,
+            self._head,
+            self._squeeze_source,
+        )
+
+    def _keep(self, value: torch.Tensor) -> torch.Tensor:
+        self._squeezed = None  # a new pass: its squeeze columns are not computed yet
+        return value.detach()
+
+    def squeeze_columns(self) -> torch.Tensor:
+        """The squeeze group of the last pass (:func:`detector.squeeze.squeeze_distances`),
+        computed once per pass with every hook removed, so the squeezed pass leaves the other
+        groups' values alone."""
+        if self._squeezed is None:
+            x, logits = self._squeeze_source.outputs
+            hooked = self._hooked
+            if hooked:
+                self._unhook()
+            try:
+                self._squeezed = squeeze_distances(
+                    self.model, x, logits, value_range=self.value_range
+                )
+            finally:
+                if hooked:
+                    self._hook()
+        return self._squeezed
 
     def _new_pass(self, _inputs: torch.Tensor | None = None) -> bool:
         self._unit_sums = {}
@@ -301,6 +363,8 @@ class TransportFeatureExtractor:
             parts.append(self._start.outputs[0])
         if self.spec.head:
             parts.append(self._head.outputs[0])
+        if self.spec.squeeze:
+            parts.append(self.squeeze_columns())
         return torch.cat(parts, dim=1)
 
 
@@ -375,6 +439,16 @@ def head_statistics(logits: torch.Tensor) -> torch.Tensor:
     top = z.topk(2, dim=1).values
     lse = torch.logsumexp(z, dim=1)
     return torch.stack([top[:, 0] - top[:, 1], torch.exp(top[:, 0] - lse), lse], dim=1)
+
+
+def network_value_range(model: nn.Module) -> tuple[float, float]:
+    """The input value range of a network built from a :class:`NetworkConfig` ((0, 1) for a
+    model without one)."""
+    spec = getattr(getattr(model, "config", None), "input_spec", None)
+    if spec is None:
+        return (0.0, 1.0)
+    low, high = spec.value_range
+    return (float(low), float(high))
 
 
 def model_device(model: nn.Module) -> torch.device:

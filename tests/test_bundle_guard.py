@@ -189,7 +189,13 @@ def test_guard_predict_is_the_network_and_the_detector(bundle_dir: Path, run: di
 
 
 ALL_GROUPS = FeatureSpec(
-    embeddings=True, image=True, start=True, head=True, extra_directions=1, line_shape=True
+    embeddings=True,
+    image=True,
+    start=True,
+    head=True,
+    extra_directions=1,
+    line_shape=True,
+    squeeze=True,
 )
 
 
@@ -197,7 +203,8 @@ ALL_GROUPS = FeatureSpec(
 def test_quantile_bundle_round_trip(tmp_path: Path, run: dict, spec: FeatureSpec) -> None:
     """The bundle records its feature spec, and its Guard scores exactly as the detector."""
     clean, _ = extract_features(run["model"], _images(80, 6, False), spec=spec)
-    detector = QuantileDetector(fpr=0.1).fit(clean)
+    names = spec.names(len(run["model"].blocks))
+    detector = QuantileDetector(fpr=0.1).fit(clean, feature_names=names)
     out = write_bundle(
         tmp_path / "q",
         network_dir=run["network_dir"],
@@ -209,7 +216,7 @@ def test_quantile_bundle_round_trip(tmp_path: Path, run: dict, spec: FeatureSpec
     )
     manifest = load_bundle(out).manifest
     assert manifest.detector.feature_spec == spec
-    assert manifest.detector.feature_names == spec.names(len(run["model"].blocks))
+    assert manifest.detector.feature_names == names
     x = _images(10, 7, True)
     features, _ = extract_features(run["model"], x, spec=spec)
     guard = Guard.from_bundle(out, device="cpu")

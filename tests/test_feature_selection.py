@@ -65,9 +65,14 @@ def test_the_test_side_never_influences_the_choice() -> None:
 
 def test_columns_of_a_candidate_are_found_by_name() -> None:
     union = union_spec(
-        [FeatureSpec(embeddings=True), FeatureSpec(head=True, image=True, extra_directions=2)]
+        [
+            FeatureSpec(embeddings=True, squeeze=True),
+            FeatureSpec(head=True, image=True, extra_directions=2),
+        ]
     )
-    assert union == FeatureSpec(embeddings=True, head=True, image=True, extra_directions=2)
+    assert union == FeatureSpec(
+        embeddings=True, head=True, image=True, extra_directions=2, squeeze=True
+    )
     names = union.names(3)
     columns = spec_columns(FeatureSpec(head=True), names)
     assert [names[i] for i in columns] == FeatureSpec(head=True).names(3)

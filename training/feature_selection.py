@@ -41,6 +41,7 @@ def union_spec(candidates: Sequence[FeatureSpec]) -> FeatureSpec:
         head=any(c.head for c in candidates),
         start=any(c.start for c in candidates),
         image=any(c.image for c in candidates),
+        squeeze=any(c.squeeze for c in candidates),
     )
 
 

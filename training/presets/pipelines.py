@@ -28,6 +28,7 @@ class FeatureOptions(BaseModel):
     head: bool = False
     start: bool = False
     image: bool = False
+    squeeze: bool = False
 
     def spec(self) -> FeatureSpec:
         return FeatureSpec(**self.model_dump())
@@ -36,7 +37,9 @@ class FeatureOptions(BaseModel):
 # Seed 003 §5.3.1's feature sets, growing: residues; + the classifier's head; + embeddings; + the
 # trajectory's start x_0 (how its energy spreads over the image); + extra directions and the
 # line-shape score; each of the last three also with the input image's own spread (where a small
-# L-inf perturbation shows before the stem smooths it). The pipeline picks one on the training side.
+# L-inf perturbation shows before the stem smooths it); two of those also with how far the softmax
+# moves when the input is squeezed (one more forward pass, detector.squeeze). The pipeline picks
+# one on the training side.
 FEATURE_CANDIDATES = [
     FeatureOptions(),
     FeatureOptions(head=True),
@@ -49,6 +52,8 @@ FEATURE_CANDIDATES = [
     FeatureOptions(
         embeddings=True, image=True, start=True, head=True, extra_directions=4, line_shape=True
     ),
+    FeatureOptions(image=True, start=True, head=True, squeeze=True),
+    FeatureOptions(embeddings=True, image=True, start=True, head=True, squeeze=True),
 ]
 
 
