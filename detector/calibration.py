@@ -10,25 +10,46 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from scipy import stats
 
 from detector.errors import ConfigError, InputError
 
 
-def calibrate_threshold(clean_scores: np.ndarray, target_fpr: float = 0.05) -> float:
-    """The smallest threshold t whose empirical FPR, mean(clean_scores > t), is <= target_fpr.
+def calibrate_threshold(
+    clean_scores: np.ndarray, target_fpr: float = 0.05, *, confidence: float | None = None
+) -> float:
+    """The smallest threshold t whose FPR on the clean scores is <= target_fpr.
 
-    ``t`` is always one of the clean scores (the FPR only changes there); with target 0 it is
-    their maximum.
+    Without ``confidence``, the empirical FPR, mean(clean_scores > t). With it, the one-sided
+    Clopper-Pearson upper bound at that confidence of the FPR that ``t`` has on the images the
+    scores were drawn from: a threshold calibrated on n images then keeps FPR <= target_fpr on new
+    ones with probability >= ``confidence`` (the point estimate exceeds it about half the time).
+    ``t`` is always one of the clean scores (the FPR only changes there); when no score meets
+    the target, their maximum.
     """
     scores = _check_scores(clean_scores)
     if not 0.0 <= target_fpr < 1.0:
         raise ConfigError(f"target_fpr must be in [0, 1), got {target_fpr}")
+    if confidence is not None and not 0.0 < confidence < 1.0:
+        raise ConfigError(f"confidence must be in (0, 1), got {confidence}")
     values = np.unique(scores)  # sorted ascending
-    # FPR at each candidate: share of clean scores strictly above it.
+    # Clean scores strictly above each candidate.
     above = len(scores) - np.searchsorted(np.sort(scores), values, side="right")
-    fpr = above / len(scores)
-    index = int(np.argmax(fpr <= target_fpr))  # fpr is non-increasing; the last value has fpr 0
+    fpr = (
+        above / len(scores)
+        if confidence is None
+        else fpr_upper_bound(above, len(scores), confidence)
+    )
+    index = int(np.argmax(fpr <= target_fpr))  # non-increasing in t
     return float(values[index])
+
+
+def fpr_upper_bound(flagged: np.ndarray, n: int, confidence: float) -> np.ndarray:
+    """One-sided Clopper-Pearson upper bound of a rate from ``flagged`` of ``n`` (1 when all are)."""
+    flagged = np.asarray(flagged, dtype=np.float64)
+    safe = np.minimum(flagged, n - 1)
+    bound = stats.beta.ppf(confidence, safe + 1, n - safe)
+    return np.where(flagged >= n, 1.0, bound)
 
 
 def empirical_fpr(clean_scores: np.ndarray, threshold: float) -> float:
@@ -51,7 +72,9 @@ class Calibration:
     """A calibrated decision: flag when score > ``threshold``.
 
     ``achieved_fpr`` is the FPR on the ``n`` clean validation scores it was chosen on;
-    ``default_vote_threshold`` is the forests' own majority vote (score > 0.5), kept beside it.
+    ``confidence``, when set, the probability with which the threshold's FPR is <= target_fpr
+    (see :func:`calibrate_threshold`); ``default_vote_threshold`` is the forests' own majority
+    vote (score > 0.5), kept beside it.
     """
 
     threshold: float
@@ -59,6 +82,7 @@ class Calibration:
     achieved_fpr: float
     n: int
     default_vote_threshold: float = 0.5
+    confidence: float | None = None
 
     @classmethod
     def from_scores(
@@ -67,15 +91,17 @@ class Calibration:
         target_fpr: float = 0.05,
         *,
         default_vote_threshold: float = 0.5,
+        confidence: float | None = None,
     ) -> Calibration:
         """Calibrate on clean validation scores (see :func:`calibrate_threshold`)."""
-        threshold = calibrate_threshold(clean_scores, target_fpr)
+        threshold = calibrate_threshold(clean_scores, target_fpr, confidence=confidence)
         return cls(
             threshold=threshold,
             target_fpr=float(target_fpr),
             achieved_fpr=empirical_fpr(clean_scores, threshold),
             n=int(np.asarray(clean_scores).size),
             default_vote_threshold=float(default_vote_threshold),
+            confidence=confidence,
         )
 
     def to_dict(self) -> dict[str, Any]:

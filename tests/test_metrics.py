@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 from sklearn import metrics as skm
 
-from detector.calibration import Calibration, calibrate_threshold, empirical_fpr
+from detector.calibration import (
+    Calibration,
+    calibrate_threshold,
+    empirical_fpr,
+    fpr_upper_bound,
+)
 from detector.errors import ConfigError, InputError
 from detector.metrics import auroc, detection_metrics, fpr_at_tpr, roc_curve
 
@@ -83,3 +88,35 @@ def test_calibration_reaches_target_fpr_on_held_out_clean_data(target: float) ->
     sigma = math.sqrt(target * (1 - target) * (1 / n_cal + 1 / n_test))
     assert abs(held_out - target) <= 4 * sigma + 1 / n_cal
     assert Calibration.from_dict(calibration.to_dict()) == calibration
+
+
+def test_a_confident_threshold_keeps_new_images_fpr_under_target_at_that_rate() -> None:
+    """Over many calibration sets of 800 images, the point estimate's threshold lets the true FPR
+    exceed the target about half the time; the 90%-confidence threshold about 10% of the time."""
+    rng = np.random.default_rng(11)
+    target, n, trials = 0.05, 800, 400
+    exceed = {None: 0, 0.9: 0}
+    for _ in range(trials):
+        scores = rng.random(n)  # uniform clean scores: the true FPR of t is 1 - t
+        for confidence in exceed:
+            t = calibrate_threshold(scores, target, confidence=confidence)
+            exceed[confidence] += (1 - t) > target
+    assert 0.35 <= exceed[None] / trials <= 0.65
+    assert 0.03 <= exceed[0.9] / trials <= 0.15  # 0.1 at most, by construction (discreteness)
+
+
+def test_confident_calibration_bounds_its_fpr_and_travels_in_the_dict() -> None:
+    scores = np.arange(1000, dtype=float)
+    calibration = Calibration.from_scores(scores, 0.05, confidence=0.95)
+    flagged = round(calibration.achieved_fpr * 1000)
+    assert fpr_upper_bound(np.array([flagged]), 1000, 0.95)[0] <= 0.05
+    assert fpr_upper_bound(np.array([flagged + 1]), 1000, 0.95)[0] > 0.05  # the smallest such t
+    assert calibration.achieved_fpr < 0.05 and calibration.confidence == 0.95
+    assert Calibration.from_dict(calibration.to_dict()) == calibration
+    older = {k: v for k, v in calibration.to_dict().items() if k != "confidence"}
+    assert Calibration.from_dict(older).confidence is None  # bundles written before it load
+    # Clopper-Pearson: 0 of n flagged bounds the rate by 1 - (1 - c)^(1/n); all of n by 1.
+    np.testing.assert_allclose(fpr_upper_bound(np.array([0]), 100, 0.95), 1 - 0.05 ** (1 / 100))
+    assert fpr_upper_bound(np.array([100]), 100, 0.95)[0] == 1.0
+    with pytest.raises(ConfigError):
+        calibrate_threshold(scores, 0.05, confidence=1.0)

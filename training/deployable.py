@@ -40,10 +40,10 @@ def deployable_detectors() -> list[str]:
 def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
     """Fit detector ``detector`` (default: the config's ``deploy_detector``) on the deploy
     network's training side (seed-0 split) of the deploy attacks, in equal shares
-    (:func:`equal_shares`), in the feature set chosen for
-    that network, calibrate it at the config's target FPR on held-out clean images, and measure
-    its flag rates on the test side of every attack set and on every OOD set, all scored by the
-    Guard. Cached per detector."""
+    (:func:`equal_shares`), in the feature set chosen for that network, calibrate it at the
+    config's target FPR (with its confidence) on held-out clean images, and measure its flag
+    rates on the test side of every attack set and on every OOD set, all scored by the Guard.
+    Cached per detector."""
     detector = detector or run.config.deploy_detector
     if detector not in deployable_detectors():
         raise ConfigError(
@@ -65,6 +65,7 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
         _guard_scores(guard, split.calibration(data.clean)).astype(np.float64),
         config.target_fpr,
         default_vote_threshold=detector_info(detector).default_threshold or 0.5,
+        confidence=config.calibration_confidence,
     )
     scores = {"clean": _guard_scores(guard, split.test(data.clean))}
     held_out = {k: split.test(v) for k, v in data.attacks.items()}

@@ -641,6 +641,9 @@ def _calibration_note(
     at = f"threshold {threshold:.4g}" if threshold is not None else "its threshold"
     target_text = f"a {_percent(target)}% FPR" if target is not None else "the target FPR"
     achieved_text = f", achieved {_percent(achieved)}%" if achieved is not None else ""
+    confidence = calibration.get("confidence")
+    if confidence is not None:
+        target_text += f" with {100 * confidence:g}% confidence (Clopper-Pearson bound)"
     return (
         f"The detector that ships in the bundle: {kind} on {MODEL_LABELS.get(network, network)}, "
         f"trained on {trained}, flagging a score above {at}, calibrated for {target_text} on "

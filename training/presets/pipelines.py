@@ -99,6 +99,10 @@ class PipelineConfig(BaseModel):
         default_factory=lambda: [0.0, 0.0005, 0.001, 0.0014, 0.002, 0.005, 0.01]
     )
     target_fpr: float = Field(0.05, gt=0, lt=1)
+    # The deployed threshold keeps FPR <= target_fpr on new clean images with this probability
+    # (a Clopper-Pearson bound on its calibration images; None: the point estimate, which new
+    # images exceed about half the time).
+    calibration_confidence: float | None = Field(0.95, gt=0, lt=1)
     deploy_model: str = "lap"
     deploy_attacks: list[str] | None = (
         None  # attack keys the deployed detector is trained on (default: all)
