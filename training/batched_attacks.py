@@ -106,18 +106,27 @@ class _CWState:
             a.x[mask], a.box.from_tanh(w), a.y[mask], self.c[mask]
         )
 
-    def line_search(self, active: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """ART's halving-then-doubling search of the learning rate; the best rate per sample."""
+    def line_search(
+        self, active: torch.Tensor, step: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ART's halving-then-doubling search of the learning rate: per sample, the best rate
+        and that trial's (squared L2, loss), kept so the step need not be evaluated again."""
         prev_loss, best_loss = self.loss.clone(), self.loss.clone()
+        best_l2 = self.l2.clone()
         best_lr = torch.zeros_like(self.lr)
         halving = torch.zeros_like(self.lr)
+
+        def keep_better() -> None:
+            better = self.loss < best_loss
+            best_lr[better], best_loss[better] = self.lr[better], self.loss[better]
+            best_l2[better] = self.l2[better]
+
         for _ in range(self.attack.max_halving):
             do = active & (self.loss >= prev_loss)
             if not do.any():
                 break
             self._try(do, step, active)
-            better = self.loss < best_loss
-            best_lr[better], best_loss[better] = self.lr[better], self.loss[better]
+            keep_better()
             self.lr[do] /= 2
             halving[do] += 1
         self.lr[active] *= 2
@@ -127,26 +136,24 @@ class _CWState:
                 break
             self.lr[do] *= 2
             self._try(do, step, active)
-            better = self.loss < best_loss
-            best_lr[better], best_loss[better] = self.lr[better], self.loss[better]
+            keep_better()
         self.lr[halving == 1] /= 2
-        return best_lr
+        return best_lr, best_l2, best_loss
 
     def iterate(self, active: torch.Tensor) -> None:
         """One gradient step with line search for the ``active`` samples."""
         a = self.attack
         grad = a.objective.gradient(a.x[active], self.x_adv[active], a.y[active], self.c[active])
         step = -grad * a.box.chain(self.w[active])
-        best_lr = self.line_search(active, step)
+        best_lr, best_l2, best_loss = self.line_search(active, step)
         update = active & (best_lr > 0)
         if update.any():
             self.w[update] = (
                 self.w[update] + _per_sample(best_lr[update], step) * step[update[active]]
             )
             self.x_adv[update] = a.box.from_tanh(self.w[update])
-            self.l2[update], self.loss[update] = a.objective(
-                a.x[update], self.x_adv[update], a.y[update], self.c[update]
-            )
+            # ART evaluates the chosen step once more; it is the best trial's iterate.
+            self.l2[update], self.loss[update] = best_l2[update], best_loss[update]
             self.success = self.loss - self.l2 <= 0
             self.overall_success |= self.success
 
