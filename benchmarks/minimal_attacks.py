@@ -1,8 +1,10 @@
 """ART's CW-L2 and DeepFool against our batched torch code, on the same images of one network.
 
-For each pair (``cw`` / ``cw-batched``, ``deepfool`` / ``deepfool-batched``), both run with the
-seed's parameters on the first N test images of the seeded order (those of ``attack_costs.py``)
-through :func:`training.attacks.generate`, without any cache. Prints a markdown table: success
+For each pair (``cw`` / ``cw-batched``, ``deepfool`` / ``deepfool-batched``), ART runs with the
+seed's parameters and the batched code with the parameters the quick preset gives it (CW:
+``CPU_CW_PARAMS``, fewer binary-search steps from a larger c; ``--seed-params`` for the seed's
+too), on the first N test images of the seeded order (those of ``attack_costs.py``), through
+:func:`training.attacks.generate`, without any cache. Prints a markdown table: success
 rate on originally correct images, median L2 over the fooled ones, s/image, and the batched /
 ART ratios, with issue 11's bar (success within 3 points, median L2 within 15%); then how far the
 two sets of images are apart (max |pixel difference|) and how many images each leaves on the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,8 +28,15 @@ import torch
 from detector.networks import load
 from training.adversarial import attack_images
 from training.attacks import generate, predict_labels
+from training.presets.pipelines import get_pipeline_preset
 
 PAIRS = [("cw", "cw-batched"), ("deepfool", "deepfool-batched")]
+
+
+def preset_params(attack: str, preset: str = "quick") -> dict[str, Any]:
+    """The parameters pipeline preset ``preset`` runs ``attack`` with (its first such set)."""
+    runs = [a for a in get_pipeline_preset(preset).attacks if a.attack == attack]
+    return dict(runs[0].params) if runs else {}
 
 
 def measure(
@@ -35,12 +45,15 @@ def measure(
     y: np.ndarray,
     attack: str,
     *,
+    params: dict[str, Any] | None = None,
     batch_size: int | None,
     device: str,
 ) -> tuple[float, float, float, np.ndarray]:
     """(success rate on originally correct images, median L2 of the fooled ones, s/image, images)."""
     started = time.perf_counter()
-    adv = generate(model, x, y, attack, batch_size=batch_size, device=device, progress=False)
+    adv = generate(
+        model, x, y, attack, params, batch_size=batch_size, device=device, progress=False
+    )
     seconds = (time.perf_counter() - started) / len(x)
     correct = predict_labels(model, x, device=device) == y
     fooled = correct & (predict_labels(model, adv, device=device) != y)
@@ -71,6 +84,11 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=[art for art, _ in PAIRS], default=None, help="one pair only"
     )
+    parser.add_argument(
+        "--seed-params",
+        action="store_true",
+        help="run the batched code with the seed's parameters too, not the quick preset's",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,12 +102,16 @@ def main() -> None:
     notes = []
     for art, ours in PAIRS if args.only is None else [p for p in PAIRS if p[0] == args.only]:
         a = measure(model, x, y, art, batch_size=args.art_batch, device=args.device)
-        b = measure(model, x, y, ours, batch_size=args.batched_batch, device=args.device)
+        params = {} if args.seed_params else preset_params(ours)
+        b = measure(
+            model, x, y, ours, params=params, batch_size=args.batched_batch, device=args.device
+        )
         points, ratio = 100 * (b[0] - a[0]), b[1] / a[1]
         ok = abs(points) <= 3 and abs(ratio - 1) <= 0.15
         print(f"| {art} | {a[0]:.3f} | {a[1]:.4f} | {a[2]:.4f} | | | | |")
+        label = ours + "".join(f", {k}={v}" for k, v in params.items())
         print(
-            f"| {ours} | {b[0]:.3f} | {b[1]:.4f} | {b[2]:.4f} | {points:+.1f} | {ratio:.3f} "
+            f"| {label} | {b[0]:.3f} | {b[1]:.4f} | {b[2]:.4f} | {points:+.1f} | {ratio:.3f} "
             f"| {a[2] / b[2]:.1f}x | {'met' if ok else 'MISSED'} |",
             flush=True,
         )
