@@ -87,7 +87,7 @@ class FeatureSpec:
     ones), how many extra +-1 directions, and which groups are appended: the embeddings' statistics,
     the line-shape score, the input image's and the trajectory's start x_0's
     :func:`spatial_statistics`, the head's (logit margin, max probability, log-sum-exp), and
-    how far the softmax moves under :mod:`detector.squeeze`'s squeezers (one extra forward pass)."""
+    how far the softmax moves under :mod:`detector.squeeze`'s squeezers (a forward pass each)."""
 
     taps: tuple[str, ...] | None = None
     extra_directions: int = 0

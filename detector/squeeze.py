@@ -4,8 +4,8 @@ softmax moves when the input is squeezed, once per squeezer.
 A clean image's prediction survives coarse quantisation and local median smoothing; a minimal
 adversarial perturbation (CW, DeepFool, a small-ε L∞ step) is made of exactly the small, local
 pixel changes these squeezers remove, so its prediction moves. Each column is the L1 distance
-``||softmax(f(x)) - softmax(f(squeeze(x)))||_1`` in [0, 2]. All squeezed copies go through the
-network in one extra forward pass of ``len(SQUEEZERS)`` times the batch.
+``||softmax(f(x)) - softmax(f(squeeze(x)))||_1`` in [0, 2]. Each squeezed copy of the batch goes
+through the network once more: the group costs ``len(SQUEEZERS)`` extra forward passes.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ def squeeze_distances(
     overwrite (see :class:`detector.features.TransportFeatureExtractor`)."""
     low, high = value_range
     unit = ((x.float() - low) / (high - low)).clamp(0.0, 1.0)
-    squeezed = torch.cat([squeeze(unit) for squeeze in SQUEEZERS.values()])
-    with torch.no_grad():
-        out = model((squeezed * (high - low) + low).to(x.dtype)).float()
     p = logits.float().softmax(1)
-    q = out.softmax(1).view(len(SQUEEZERS), *p.shape)
-    return (q - p).abs().sum(2).T.contiguous()
+    columns = []
+    with torch.no_grad():
+        for squeeze in SQUEEZERS.values():  # one pass per squeezer: a 5x batch costs more than 5
+            q = model((squeeze(unit) * (high - low) + low).to(x.dtype)).float().softmax(1)
+            columns.append((q - p).abs().sum(1))
+    return torch.stack(columns, 1)

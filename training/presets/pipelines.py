@@ -38,7 +38,7 @@ class FeatureOptions(BaseModel):
 # trajectory's start x_0 (how its energy spreads over the image); + extra directions and the
 # line-shape score; each of the last three also with the input image's own spread (where a small
 # L-inf perturbation shows before the stem smooths it); two of those also with how far the softmax
-# moves when the input is squeezed (one more forward pass, detector.squeeze). The pipeline picks
+# moves when the input is squeezed (five more forward passes, detector.squeeze). The pipeline picks
 # one on the training side.
 FEATURE_CANDIDATES = [
     FeatureOptions(),
