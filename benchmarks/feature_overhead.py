@@ -6,7 +6,8 @@ Prints:
 3. scikit-learn ``predict_proba`` (1 and 256 samples) vs the TensorForest, and the detector's
    share of the Guard's batch time at batch 256 (target <= 10%);
 4. with ``--bundle B``: the same share for the detector a bundle ships (e.g. the quick preset's
-   ensemble of forests + clean-only Gaussian, on the feature set the run chose).
+   ensemble of forests + clean-only Gaussian, on the feature set the run chose), and the bundle's
+   Guard time over the network's plain forward (what the feature groups cost in all).
 
 Repetitions of the things compared are interleaved and medians taken, so background load hits
 both alike; still, run it alone: other jobs on the same cores distort timings. Uses the trained
@@ -228,13 +229,24 @@ def _bundle_share(bundle: Path, images: np.ndarray, repeats: int, device: torch.
         with torch.inference_mode():
             return guard.detector_module(features, predicted)
 
-    t = _interleaved({"guard": lambda: guard.predict(batch), "detector": detector}, repeats, device)
+    def plain() -> object:
+        with torch.inference_mode():
+            return guard.model(batch)
+
+    t = _interleaved(
+        {"guard": lambda: guard.predict(batch), "detector": detector, "plain": plain},
+        repeats,
+        device,
+    )
     spec = guard.manifest.detector if guard.manifest is not None else None
+    label = spec.feature_spec.label() if spec else "?"
     print(
-        f"[5] bundle {bundle} ({spec.kind if spec else '?'}, {len(guard.feature_names)} features): "
-        f"Guard.predict batch 256 {t['guard'][0] * 1e3:.1f} ms, detector module "
+        f"[5] bundle {bundle} ({spec.kind if spec else '?'}, {len(guard.feature_names)} features, "
+        f"{label}): Guard.predict batch 256 {t['guard'][0] * 1e3:.1f} ms, detector module "
         f"{t['detector'][0] * 1e3:.1f} ms: share wall {100 * t['detector'][0] / t['guard'][0]:.1f}%, "
-        f"CPU {100 * t['detector'][1] / t['guard'][1]:.1f}% (target <= 10%)"
+        f"CPU {100 * t['detector'][1] / t['guard'][1]:.1f}% (target <= 10%); the network's plain "
+        f"forward {t['plain'][0] * 1e3:.1f} ms: Guard / plain forward {_ratio(t, 'guard', 'plain')} "
+        "(every feature group, the squeeze group's extra passes included, and the detector)"
     )
 
 
