@@ -40,8 +40,8 @@ def calibrate_threshold(
         if confidence is None
         else fpr_upper_bound(above, len(scores), confidence)
     )
-    index = int(np.argmax(fpr <= target_fpr))  # non-increasing in t
-    return float(values[index])
+    meets = fpr <= target_fpr  # non-increasing in t: once met, met above
+    return float(values[int(np.argmax(meets))] if meets.any() else values[-1])
 
 
 def fpr_upper_bound(flagged: np.ndarray, n: int, confidence: float) -> np.ndarray:

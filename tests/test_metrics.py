@@ -120,3 +120,11 @@ def test_confident_calibration_bounds_its_fpr_and_travels_in_the_dict() -> None:
     assert fpr_upper_bound(np.array([100]), 100, 0.95)[0] == 1.0
     with pytest.raises(ConfigError):
         calibrate_threshold(scores, 0.05, confidence=1.0)
+
+
+def test_too_few_images_for_the_confidence_give_the_highest_score() -> None:
+    """Under 59 clean images even 0 flagged cannot bound the FPR by 5% with 95% confidence:
+    the threshold is then the highest clean score (nothing flagged), never a lower one."""
+    scores = np.random.default_rng(3).random(40)
+    assert calibrate_threshold(scores, 0.05, confidence=0.95) == scores.max()
+    assert calibrate_threshold(scores, 0.05) < scores.max()  # the point estimate flags 2 of 40
