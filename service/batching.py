@@ -107,7 +107,8 @@ class MicroBatcher:
         self._batch_threads = batch_threads
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
-        self.linger = linger  # x the previous batch's seconds, to wait for its clients' next requests
+        # x the previous batch's seconds, to wait for its clients' next requests
+        self.linger = linger
         self._last_images = 0  # images and compute seconds of the previous batch (batch thread)
         self._last_seconds = 0.0
         self.max_queue = max_queue
