@@ -332,6 +332,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         feature_candidates=FEATURE_CANDIDATES,
         selection_detector="ensemble",
         deploy_detector="ensemble",
+        expected_duration="~57 min on 2 CPU cores, alone (training 8, attacks 25, evaluation 23)",
         not_run=_CPU_NOT_RUN,
     ),
     "paper-cifar10-resnet110": _paper_preset(
