@@ -16,7 +16,8 @@ threshold is calibrated on the combined score. ``tail`` defaults to the bundle's
 target (5%): at the decision 0.5 the clean-only part flags 2.5% of clean inputs and the forests
 about 1-1.5%, so the ensemble's own decision stays inside the budget a deployment calibrates to
 (0.02, i.e. 1% of clean, left half of it unused: on a validation quarter of the training side,
-forests trained on FGM only then missed most of the attacks they never saw). Both travel as arrays + JSON, never pickles.
+forests trained on FGM only then missed most of the attacks they never saw). Both travel as
+arrays + JSON, never pickles.
 """
 
 from __future__ import annotations
