@@ -100,3 +100,40 @@ def test_protocols_are_leak_free_and_report_mean_and_std(world) -> None:
     for seed, fitted in RecordingTransportDetector.fitted_on:
         test_side = set(np.flatnonzero(Split(seed, 0.1, 400).is_test).tolist())
         assert fitted and not fitted & test_side
+
+
+def test_the_ensemble_reuses_the_transport_forests_and_scores_as_if_fitted_alone(
+    world, monkeypatch
+) -> None:
+    from detector.novelty import EnsembleDetector
+
+    clean, attacks, ood = world
+    fits: list[int] = []
+    real_fit = TransportDetector.fit
+
+    def counted(self, *args, **kwargs):  # the real fit, counted
+        fits.append(1)
+        return real_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransportDetector, "fit", counted)
+    params = {"n_estimators": 10, "min_class_samples": 5}
+    common = dict(
+        model="lap",
+        clean=clean,
+        attacks=attacks,
+        ood_sets=ood,
+        seen=["fgm", "cw"],
+        unseen_train="fgm",
+        ood_train=["fgm", "digits"],
+        seeds=[0, 1],
+        progress=False,
+    )
+    both = run_protocols(
+        detectors=[TransportDetector(**params), EnsembleDetector(**params)],
+        **common,
+    )
+    assert len(fits) == 2 * 5 + 2 * 1  # the ensemble refits only where rows differ (digits OOD)
+    alone = run_protocols(detectors=[EnsembleDetector(**params)], **common)
+    # Seen and unseen sides draw no shared random numbers: the same rows, the same results.
+    reused = [r.row() for r in both if r.detector == "ensemble" and r.setting != "ood"]
+    assert len(reused) == 3 and reused == [r.row() for r in alone if r.setting != "ood"]

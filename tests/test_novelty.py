@@ -98,3 +98,91 @@ def test_ensemble_flags_what_the_forests_flag_or_the_far_tail_of_clean() -> None
     )
     with pytest.raises(InputError, match="tail must be in"):
         EnsembleDetector(tail=1.5).fit(features, is_abnormal, labels)
+
+
+def _assert_scores_travel(
+    ensemble: EnsembleDetector, features: np.ndarray, labels: np.ndarray
+) -> EnsembleDetector:
+    """The arrays, the torch form and a loaded copy all score alike; returns the loaded copy."""
+    restored = EnsembleDetector.from_arrays(*ensemble.to_arrays())
+    expected = ensemble.score(features, labels).astype(np.float32)
+    np.testing.assert_array_equal(restored.score(features, labels).astype(np.float32), expected)
+    with torch.inference_mode():
+        torch_scores = ensemble.to_torch()(torch.from_numpy(features), torch.from_numpy(labels))
+    np.testing.assert_allclose(torch_scores.numpy(), expected, atol=1e-6)
+    return restored
+
+
+def test_family_forests_join_the_ensemble_and_travel_with_it() -> None:
+    x, y = _clean(n=900)
+    rng = np.random.default_rng(3)
+    large = x[:500] + np.float32(0.6)  # a large, easy family
+    subtle = x[500:560].copy()
+    subtle[:, 1] += np.float32(0.12) * rng.standard_normal(60).astype(np.float32)
+    features = np.concatenate([x, large, subtle])
+    is_abnormal = np.r_[np.zeros(len(x), int), np.ones(560, int)]
+    labels = np.r_[y, y[:560]]
+    families = np.r_[np.full(len(x), ""), np.full(500, "large"), np.full(60, "subtle")]
+    ensemble = EnsembleDetector(n_estimators=15, tail=0.05).fit(
+        features, is_abnormal, labels, families
+    )
+    assert ensemble.family_names_ == ["large", "subtle"] and len(ensemble.families_) == 2
+    parts = [ensemble.forests_.score(features, labels)]
+    parts += [f.score(features, labels) for f in ensemble.families_]
+    ramp = np.clip((ensemble.novelty_.score(features, labels) - 0.95) / 0.05, 0, 1)
+    np.testing.assert_allclose(
+        ensemble.score(features, labels), np.max([*parts, ramp], axis=0), atol=1e-6
+    )
+    # The subtle family's own forests were fitted on 60 of its rows vs 60 clean ones.
+    root_weight = ensemble.families_[1].forest_.estimators_[0].tree_.weighted_n_node_samples[0]
+    assert root_weight == 120  # a bootstrap sample of 120 rows
+    # The arrays, the torch form and a loaded copy all score alike.
+    restored = _assert_scores_travel(ensemble, features, labels)
+    assert restored.family_names_ == ["large", "subtle"]
+    # One family, no family forests; family_forests=False never fits them.
+    one = EnsembleDetector(n_estimators=5).fit(
+        features, is_abnormal, labels, np.where(is_abnormal == 1, "large", "")
+    )
+    off = EnsembleDetector(n_estimators=5, family_forests=False)
+    assert one.families_ == [] and off.fit(features, is_abnormal, labels, families).families_ == []
+    with pytest.raises(InputError, match="families must have shape"):
+        EnsembleDetector(n_estimators=5).fit(features, is_abnormal, labels, families[:10])
+
+
+def test_the_margin_part_flags_inputs_on_the_decision_boundary() -> None:
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Rows:
+        features: np.ndarray
+        predicted: np.ndarray
+        feature_names: tuple[str, ...] = ("msq_0", "cos_0", "head_margin")
+        images: np.ndarray = field(default_factory=lambda: np.zeros((0, 1, 1, 1)))
+        extra: dict = field(default_factory=dict)
+
+        def __len__(self) -> int:
+            return len(self.features)
+
+    x, y = _clean(n=1000)
+    x[:, 2] = np.abs(x[:, 2]) + 1.0  # clean margins >= 1
+    attacked = x[:300].copy()
+    attacked[:, 0] *= 1.5
+    ensemble = EnsembleDetector(n_estimators=10, margin_tail=0.02).fit_samples(
+        Rows(x, y), Rows(attacked, y[:300])
+    )
+    assert ensemble.margin_column_ == 2
+    boundary = x[300:400].copy()
+    boundary[:, 2] = 0.01  # below every clean margin: u = 1, the ramp gives 1
+    assert (ensemble.score(boundary, y[300:400]) == 1.0).all()
+    features = np.concatenate([x, attacked, boundary])
+    _assert_scores_travel(ensemble, features, np.r_[y, y[:300], y[300:400]])
+    # Without the margin column among the features, or with margin_tail 0, no margin part.
+    unnamed = EnsembleDetector(n_estimators=5).fit(
+        np.concatenate([x, attacked]),
+        np.r_[np.zeros(1000), np.ones(300)].astype(int),
+        np.r_[y, y[:300]],
+    )
+    off = EnsembleDetector(n_estimators=5, margin_tail=0.0).fit_samples(
+        Rows(x, y), Rows(attacked, y[:300])
+    )
+    assert unnamed.margin_column_ is None and off.margin_column_ is None

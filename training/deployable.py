@@ -9,7 +9,7 @@ flag rates, split) and ``heldout_scores.npz`` (the Guard's score of every held-o
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from detector.guard import Guard
 from detector.registry import detector_info, get_detector, list_detectors, load_detector
 from training.experiments import Samples, Split, concat
 from training.pipeline import PipelineRun, on_all_cores, read_pipeline_config
+from training.presets.pipelines import PipelineConfig
 from training.rundir import RunDir
 
 DEPLOYABLE_FILE = "deployable.json"
@@ -40,7 +41,8 @@ def deployable_detectors() -> list[str]:
 def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
     """Fit detector ``detector`` (default: the config's ``deploy_detector``) on the deploy
     network's training side (seed-0 split) of the deploy attacks, in equal shares
-    (:func:`equal_shares`), in the feature set chosen for that network, calibrate it at the
+    (:func:`equal_shares`, each row marked with its attack family: the ensemble also fits one
+    forest set per family), in the feature set chosen for that network, calibrate it at the
     config's target FPR (with its confidence) on held-out clean images, and measure its flag
     rates on the test side of every attack set and on every OOD set, all scored by the Guard.
     Cached per detector."""
@@ -57,7 +59,8 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
     data = run.samples(name)
     keys = config.deploy_attacks or list(data.attacks)
     split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
-    abnormal = equal_shares([split.train(data.attacks[k]) for k in keys], seed=SPLIT_SEED)
+    parts = [with_family(split.train(data.attacks[k]), attack_family(config, k)) for k in keys]
+    abnormal = equal_shares(parts, seed=SPLIT_SEED)
     fitted = on_all_cores(get_detector(detector)).fit_samples(split.train(data.clean), abnormal)
     spec = run.feature_spec(name)
     guard = Guard.from_run(run.model(name), fitted, np.inf, features=spec, device=run.device)
@@ -81,6 +84,7 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
             "network": name,
             "train_attacks": keys,
             "train_pairs_per_attack": len(abnormal) // len(keys),
+            "families": list(getattr(fitted, "family_names_", [])),
             "calibration": calibration.to_dict(),
             "features": asdict(spec),
             "heldout": _heldout_rates(scores, successful, calibration.threshold),
@@ -89,6 +93,16 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
         },
     )
     return out
+
+
+def attack_family(config: PipelineConfig, key: str) -> str:
+    """The family of attack set ``key``: its attack (FGM at eps 0.1 and 0.03 are one family)."""
+    return next(spec.attack for spec in config.attacks if spec.key == key)
+
+
+def with_family(samples: Samples, family: str) -> Samples:
+    """The same samples, every row marked as of attack family ``family``."""
+    return replace(samples, families=np.full(len(samples), family))
 
 
 def equal_shares(parts: list[Samples], *, seed: int) -> Samples:

@@ -25,7 +25,9 @@ from tqdm.auto import tqdm
 from detector.artefacts import save_npz
 from detector.base import Detector
 from detector.calibration import calibrate_threshold
+from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
+from detector.novelty import EnsembleDetector
 
 CALIBRATION_FRACTION = 0.1
 METRIC_KEYS = (
@@ -54,6 +56,7 @@ class Samples:
         default_factory=dict
     )  # other detectors' row-aligned features
     feature_names: tuple[str, ...] | None = None  # the feature columns' names, when known
+    families: np.ndarray | None = None  # attack family per row, when rows mix families
 
     def take(self, mask: np.ndarray) -> Samples:
         return Samples(
@@ -65,6 +68,7 @@ class Samples:
             None if self.success is None else self.success[mask],
             {k: v[mask] for k, v in self.extra.items()},
             self.feature_names,
+            None if self.families is None else self.families[mask],
         )
 
     def __len__(self) -> int:
@@ -82,6 +86,11 @@ def concat(parts: Sequence[Samples], name: str = "mixed") -> Samples:
     if all(p.success is not None for p in parts):
         success = np.concatenate([p.success for p in parts])  # type: ignore[misc]
     shared = set.intersection(*(set(p.extra) for p in parts)) if parts else set()
+    families = None
+    if any(p.families is not None for p in parts):
+        families = np.concatenate(
+            [p.families if p.families is not None else np.full(len(p), p.name) for p in parts]
+        )
     return Samples(
         name,
         np.concatenate([p.images for p in parts]),
@@ -91,6 +100,7 @@ def concat(parts: Sequence[Samples], name: str = "mixed") -> Samples:
         success,
         {k: np.concatenate([p.extra[k] for p in parts]) for k in shared},
         parts[0].feature_names if parts else None,
+        families,
     )
 
 
@@ -281,6 +291,29 @@ class _Protocols:
     ood_sets: dict[str, Samples]
     target_fpr: float
     records: dict[tuple[str, str, str, str], ExperimentRecord] = field(default_factory=dict)
+    forests: dict[tuple[Any, ...], TransportDetector] = field(default_factory=dict)
+
+    def _fit(
+        self, prototype: Detector, sides: Sides, clean: Samples, abnormal: Samples
+    ) -> Detector:
+        """``prototype`` fitted for the seed. The ensemble reuses the forests the transport
+        detector fitted on the same rows with the same parameters and seed (the same forests:
+        the fit is deterministic), so a protocol running both fits them once."""
+        detector = prototype.with_seed(sides.seed)
+        key = (clean.name, abnormal.name, clean.indices.tobytes(), abnormal.indices.tobytes())
+        if any(seed != sides.seed for seed, *_ in self.forests):
+            self.forests.clear()  # one seed's forests at a time
+        forests = self.forests.get((sides.seed, *key))
+        if (
+            isinstance(detector, EnsembleDetector)
+            and forests is not None
+            and forests.get_params() == detector.forest_params()
+        ):
+            return detector.fit_samples(clean, abnormal, forests=forests)
+        detector = detector.fit_samples(clean, abnormal)
+        if isinstance(detector, TransportDetector):
+            self.forests[(sides.seed, *key)] = detector
+        return detector
 
     def _record(
         self, detector: Detector, setting: str, train: str, test: str, outcome: Outcome
@@ -302,7 +335,7 @@ class _Protocols:
     def seen(self, prototype: Detector, sides: Sides, key: str) -> None:
         """Train and test on the same attack (its B1 and B2 sides)."""
         (train_clean, train_abnormal), (test_clean, test_abnormal) = sides.pairs(self.attacks[key])
-        detector = prototype.with_seed(sides.seed).fit_samples(train_clean, train_abnormal)
+        detector = self._fit(prototype, sides, train_clean, train_abnormal)
         self._record(
             detector, "seen", key, key, self._evaluate(detector, sides, test_clean, test_abnormal)
         )
@@ -312,7 +345,7 @@ class _Protocols:
         train_clean, train_abnormal = _paired(
             sides.train_clean, sides.split.train(self.attacks[train_key])
         )
-        detector = prototype.with_seed(sides.seed).fit_samples(train_clean, train_abnormal)
+        detector = self._fit(prototype, sides, train_clean, train_abnormal)
         for key, attack in self.attacks.items():
             if key == train_key:
                 continue
@@ -329,7 +362,7 @@ class _Protocols:
             source = self.ood_sets[train_key]
             train_abnormal = _positional_half(source, sides.seed, first=True)
             train_clean, train_abnormal = _balanced(sides.train_clean, train_abnormal, sides.rng)
-        detector = prototype.with_seed(sides.seed).fit_samples(train_clean, train_abnormal)
+        detector = self._fit(prototype, sides, train_clean, train_abnormal)
         for test_key, ood in self.ood_sets.items():
             if test_key == train_key:
                 continue

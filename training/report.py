@@ -644,6 +644,9 @@ def _calibration_note(
     confidence = calibration.get("confidence")
     if confidence is not None:
         target_text += f" with {100 * confidence:g}% confidence (Clopper-Pearson bound)"
+    families = info.get("families") or []
+    if families:
+        trained += f" (plus one forest set per attack family: {', '.join(families)})"
     return (
         f"The detector that ships in the bundle: {kind} on {MODEL_LABELS.get(network, network)}, "
         f"trained on {trained}, flagging a score above {at}, calibrated for {target_text} on "
