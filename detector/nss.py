@@ -15,6 +15,7 @@ import numpy as np
 from scipy.ndimage import gaussian_filter
 from scipy.special import gammaln
 from sklearn.ensemble import RandomForestClassifier
+from torch import nn
 
 from detector.base import (
     Detector,
@@ -29,6 +30,7 @@ from detector.features import check_features, check_images
 from detector.registry import register_detector
 
 LUMA = np.array([0.299, 0.587, 0.114])
+NSS_KEY = "nss"  # the precomputed features' key in ``samples.extra``
 _SIGMA = 7.0 / 6.0
 _ALPHA = np.arange(0.2, 10.0, 0.001)
 # r(a) = G(1/a) G(3/a) / G(2/a)^2, decreasing in a: E[x^2] / E[|x|]^2 of a GGD with shape a.
@@ -139,7 +141,11 @@ class NSSDetector(Detector):
 
     def fit(self, x_images: np.ndarray, is_abnormal: np.ndarray) -> NSSDetector:
         """Fit the forest on clean (0) vs abnormal (1) images [N, C, H, W]."""
-        features = nss_features(x_images, value_range=self.value_range)
+        return self.fit_features(nss_features(x_images, value_range=self.value_range), is_abnormal)
+
+    def fit_features(self, features: np.ndarray, is_abnormal: np.ndarray) -> NSSDetector:
+        """Fit the forest on precomputed :func:`nss_features` of clean (0) vs abnormal (1) images."""
+        features = check_features(features)
         y = check_binary_labels(is_abnormal, len(features))
         self.forest_ = RandomForestClassifier(
             n_estimators=self.n_estimators, random_state=self.random_state, n_jobs=self.n_jobs
@@ -147,15 +153,29 @@ class NSSDetector(Detector):
         self.n_features_in_ = features.shape[1]
         return self
 
+    def precompute(self, model: nn.Module, images: np.ndarray) -> dict[str, np.ndarray]:
+        """The images' :func:`nss_features`, computed once per image set (the network is unused)."""
+        return {NSS_KEY: nss_features(images, value_range=self.value_range)}
+
+    def precompute_keys(self) -> list[str]:
+        return [NSS_KEY]
+
+    def _features(self, samples: SampleSet) -> np.ndarray:
+        """The samples' precomputed NSS features, or those of their images."""
+        if NSS_KEY in samples.extra:
+            return samples.extra[NSS_KEY]
+        return nss_features(samples.images, value_range=self.value_range)
+
     def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> NSSDetector:
-        """Fit on the images of clean vs abnormal samples."""
-        return self.fit(
-            np.concatenate([clean.images, abnormal.images]), abnormal_labels(clean, abnormal)
+        """Fit on the (precomputed) NSS features of clean vs abnormal samples' images."""
+        return self.fit_features(
+            np.concatenate([self._features(clean), self._features(abnormal)]),
+            abnormal_labels(clean, abnormal),
         )
 
     def score_samples(self, samples: SampleSet) -> np.ndarray:
         """:meth:`score` of the samples' images: HIGHER = MORE ABNORMAL."""
-        return self.score(samples.images)
+        return self.score_features(self._features(samples))
 
     def score_features(self, features: np.ndarray) -> np.ndarray:
         """Scores of precomputed :func:`nss_features`: HIGHER = MORE ABNORMAL."""

@@ -146,6 +146,22 @@ def test_nss_detector_scores_noise_higher_than_real_images(data_root: Path) -> N
     assert scores[120:].mean() > scores[:120].mean() + 0.5
     with pytest.raises(InputError, match="fitted on 36 features, got 8"):
         detector.score_features(np.zeros((2, 8), np.float32))
+    # Precomputed once per image set (the pipeline's cache), the same fit and the same scores.
+    from training.experiments import Samples
+
+    def rows(images: np.ndarray, precomputed: bool) -> Samples:
+        n = len(images)
+        extra = detector.precompute(None, images) if precomputed else {}  # type: ignore[arg-type]
+        z = np.zeros(n, np.int64)
+        return Samples("set", images, np.zeros((n, 1), np.float32), z, z, extra=extra)
+
+    assert detector.precompute_keys() == ["nss"]
+    for precomputed in (False, True):
+        fitted = NSSDetector(n_estimators=20).fit_samples(
+            rows(real[:120], precomputed), rows(noise[:120], precomputed)
+        )
+        test = rows(np.concatenate([real[120:], noise[120:]]), precomputed)
+        np.testing.assert_array_equal(fitted.score_samples(test), scores)
 
 
 def test_mahalanobis_detector_scores_noise_higher(

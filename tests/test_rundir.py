@@ -25,7 +25,8 @@ def test_layout_matches_the_documented_run_directory(tmp_path: Path) -> None:
         "model": run.model("lap"),
         "attacks": run.attacks("lap"),
         "features": run.features("lap", "fgm-test"),
-        "mahalanobis": run.mahalanobis_features("lap", "fgm-test"),
+        "mahalanobis": run.precomputed("lap", "mahalanobis", "fgm-test"),
+        "nss": run.precomputed("lap", "nss", "fgm-test"),
     }
     assert {k: p.relative_to(tmp_path).as_posix() for k, p in relative.items()} == {
         "config": "pipeline_config.json",
@@ -40,6 +41,7 @@ def test_layout_matches_the_documented_run_directory(tmp_path: Path) -> None:
         "attacks": "attacks/lap",
         "features": "features/lap/fgm-test.npz",
         "mahalanobis": "features/lap/mahalanobis/fgm-test.npz",
+        "nss": "features/lap/nss/fgm-test.npz",
     }
     model = run.model_dir("lap")
     assert model == ModelDir(tmp_path / "models" / "lap")

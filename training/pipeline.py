@@ -286,27 +286,28 @@ def evaluate(run: PipelineRun) -> dict[str, Any]:
 
 
 def _protocol_detectors(run: PipelineRun, name: str, data: NetworkSamples) -> list[Detector]:
-    """The config's detectors from the registry; those that read the network learn their clean
-    statistics once and add their per-image arrays (cached on disk) to every sample set."""
+    """The config's detectors from the registry. Those that read the network learn their clean
+    statistics once; every detector with per-image arrays (``precompute``: Mahalanobis scores,
+    NSS statistics) adds them, cached on disk, to every sample set once, for all its fits."""
     params = {"mahalanobis": {"magnitudes": tuple(run.config.mahalanobis_magnitudes)}}
     detectors = [on_all_cores(get_detector(d, **params.get(d, {}))) for d in run.config.detectors]
     for detector in detectors:
-        if detector.info.reads != "network":
-            continue
-        clean_x, clean_y = to_arrays(
-            load_dataset(run.config.dataset, "train", root=run.root),
-            run.config.mahalanobis_clean_n,
-            seed=1,
-        )
-        detector.prepare(run.model(name), clean_x, clean_y)
-        for samples in (data.clean, *data.attacks.values(), *data.ood.values()):
-            _add_precomputed(run, name, detector, samples)
+        if detector.info.reads == "network":
+            clean_x, clean_y = to_arrays(
+                load_dataset(run.config.dataset, "train", root=run.root),
+                run.config.mahalanobis_clean_n,
+                seed=1,
+            )
+            detector.prepare(run.model(name), clean_x, clean_y)
+        if detector.precompute_keys():
+            for samples in (data.clean, *data.attacks.values(), *data.ood.values()):
+                _add_precomputed(run, name, detector, samples)
     return detectors
 
 
 def _add_precomputed(run: PipelineRun, name: str, detector: Any, samples: Samples) -> None:
-    """A network-reading detector's per-row arrays of a sample set, computed once and cached."""
-    path = run.dir.mahalanobis_features(name, samples.name)
+    """A detector's per-row arrays of a sample set, computed once and cached."""
+    path = run.dir.precomputed(name, detector.info.name, samples.name)
     keys = detector.precompute_keys()
     if path.is_file():
         cached = artefacts.load_npz(path)

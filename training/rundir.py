@@ -8,7 +8,7 @@ Run directory (``lapguard pipeline --run RUN``)::
     models/<name>/                          trained networks (a ModelDir each)
     attacks/<name>/<attack>-<key>/          adversarial sets (training/adversarial.py)
     features/<name>/<set>.npz               transport features + logits of a sample set
-    features/<name>/mahalanobis/<set>.npz   Mahalanobis features of the same set
+    features/<name>/<detector>/<set>.npz   a detector's precomputed arrays of the same set (mahalanobis, nss)
     scores/...                              first-seed detection scores (ROC curves)
     evaluation.json                         protocol results
     detector/                               the deployable detector and its calibration
@@ -48,7 +48,6 @@ PIPELINE_LOG = "pipeline.log"
 MODELS_DIR = "models"
 ATTACKS_DIR = "attacks"
 FEATURES_DIR = "features"
-MAHALANOBIS_DIR = "mahalanobis"
 SCORES_DIR = "scores"
 FIGURES_DIR = "figures"
 DETECTOR_DIR = "detector"
@@ -206,9 +205,9 @@ class RunDir:
         """``adaptive/<name>/``: targets, starting sets and results of the adaptive attacks."""
         return self.path / ADAPTIVE_DIR / name
 
-    def mahalanobis_features(self, name: str, set_name: str) -> Path:
-        """``features/<name>/mahalanobis/<set>.npz``."""
-        return self.feature_dir(name) / MAHALANOBIS_DIR / f"{set_name}.npz"
+    def precomputed(self, name: str, detector: str, set_name: str) -> Path:
+        """``features/<name>/<detector>/<set>.npz``: a detector's precomputed per-image arrays."""
+        return self.feature_dir(name) / detector / f"{set_name}.npz"
 
     def read_metrics(self, name: str) -> list[dict[str, Any]]:
         """Per-epoch training metrics of network ``name`` (see :meth:`ModelDir.read_metrics`)."""
