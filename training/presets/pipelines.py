@@ -332,7 +332,10 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         feature_candidates=FEATURE_CANDIDATES,
         selection_detector="ensemble",
         deploy_detector="ensemble",
-        expected_duration="~57 min on 2 CPU cores, alone (training 8, attacks 25, evaluation 23)",
+        expected_duration=(
+            "~50 min on 2 CPU cores, alone (training 8, attacks 25, evaluation 16); 69 min on a"
+            " machine 1.4x slower"
+        ),
         not_run=_CPU_NOT_RUN,
     ),
     "paper-cifar10-resnet110": _paper_preset(
