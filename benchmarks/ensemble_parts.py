@@ -1,0 +1,127 @@
+"""Which ensemble parts and tails, measured on the TRAINING side of a finished quick run only.
+
+The deploy network's seed-0 split: its training side (B1 without the calibration slice) is cut
+again into a validation quarter and three quarters to fit (as the feature selection cuts it);
+the test side (B2) is never read. Two tables, each row one ensemble configuration:
+
+1. unseen analog: forests on FGM eps=0.1 of the fit part, balanced accuracy on every other
+   attack's validation rows at the ensemble's own decision 0.5 (as the unseen protocol);
+2. deployed analog: every attack in equal shares (as ``fit_deployable``), the threshold
+   calibrated on the calibration slice (the config's FPR target and confidence), the share of
+   each attack's successful validation images flagged; OOD rates are printed for information
+   (they are test-side sets: never choose on them).
+
+    .venv/bin/python benchmarks/ensemble_parts.py runs/quick
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import numpy as np
+
+from detector.calibration import Calibration
+from detector.novelty import EnsembleDetector
+from training.deployable import attack_family, equal_shares, with_family
+from training.experiments import Samples, Split
+from training.pipeline import PipelineRun
+
+UNSEEN_TRAIN = "fgm-eps0.1"
+# (Gaussian tail, margin tail) pairs of the unseen table; the deployed table's rows below.
+TAILS = [(0.05, 0.0), (0.05, 0.01), (0.04, 0.02), (0.03, 0.02), (0.025, 0.025), (0.02, 0.01)]
+DEPLOYED = {
+    "pooled, Gaussian 0.05": dict(family_forests=False, tail=0.05, margin_tail=0.0),
+    "families, Gaussian 0.05": dict(family_forests=True, tail=0.05, margin_tail=0.0),
+    "families, Gaussian 0.025 + margin 0.025": dict(
+        family_forests=True, tail=0.025, margin_tail=0.025
+    ),
+}
+
+
+def validation_cut(run: PipelineRun, name: str) -> tuple[Split, np.ndarray, np.ndarray]:
+    """The seed-0 split, and the fit / validation masks over the test-image index space."""
+    clean = run.samples(name).clean
+    universe = int(clean.indices.max()) + 1
+    split = Split(0, run.config.test_fraction, universe)
+    training_side = np.flatnonzero(~split.is_test & ~split.is_calibration)
+    order = np.random.default_rng(0).permutation(training_side)
+    is_validation = np.zeros(universe, bool)
+    is_validation[order[: int(round(len(order) * 0.25))]] = True
+    is_fit = ~split.is_test & ~split.is_calibration & ~is_validation
+    return split, is_fit, is_validation
+
+
+def unseen_table(run: PipelineRun, name: str) -> None:
+    data = run.samples(name)
+    _, is_fit, is_val = validation_cut(run, name)
+    fit, val = _masker(is_fit), _masker(is_val)
+    attacked = fit(data.attacks[UNSEEN_TRAIN])
+    clean = fit(data.clean).take(np.isin(fit(data.clean).indices, attacked.indices))  # pairs
+    others = [k for k in data.attacks if k != UNSEEN_TRAIN]
+    print(f"\nUnseen analog ({name}; forests on {UNSEEN_TRAIN}), balanced accuracy at 0.5:\n")
+    print("| Gaussian tail | margin tail | clean FPR | " + " | ".join(others) + " | mean |")
+    print("|---:" * (len(others) + 4) + "|")
+    forests = None
+    for tail, margin_tail in TAILS:
+        detector = EnsembleDetector(tail=tail, margin_tail=margin_tail, n_jobs=-1)
+        detector.fit_samples(clean, attacked, forests=forests)
+        forests = detector.forests_  # the same forests for every row
+        fpr = float(np.mean(detector.score_samples(val(data.clean)) > 0.5))
+        accuracy = [
+            100 * (float(np.mean(detector.score_samples(val(data.attacks[k])) > 0.5)) + 1 - fpr) / 2
+            for k in others
+        ]
+        cells = [f"{tail:g}", f"{margin_tail:g}", f"{100 * fpr:.2f}"]
+        cells += [f"{a:.1f}" for a in accuracy] + [f"{np.mean(accuracy):.1f}"]
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def deployed_table(run: PipelineRun, name: str) -> None:
+    data, config = run.samples(name), run.config
+    split, is_fit, is_val = validation_cut(run, name)
+    fit, val = _masker(is_fit), _masker(is_val)
+    keys = list(data.attacks)
+    parts = [with_family(fit(data.attacks[k]), attack_family(config, k)) for k in keys]
+    abnormal = equal_shares(parts, seed=0)
+    print(f"\nDeployed analog ({name}), successful validation images flagged (%):\n")
+    print("| parts | threshold | clean FPR | " + " | ".join(keys) + " | OOD (info) |")
+    print("|---" + "|---:" * (len(keys) + 3) + "|")
+    for label, params in DEPLOYED.items():
+        detector = EnsembleDetector(n_jobs=-1, **params).fit_samples(fit(data.clean), abnormal)
+        calibration = Calibration.from_scores(
+            detector.score_samples(split.calibration(data.clean)),
+            config.target_fpr,
+            confidence=config.calibration_confidence,
+        )
+        threshold = calibration.threshold
+
+        def flagged(samples: Samples) -> np.ndarray:
+            return detector.score_samples(samples) > threshold  # noqa: B023 (used in this loop)
+
+        cells = [label, f"{threshold:.3f}", f"{100 * np.mean(flagged(val(data.clean))):.2f}"]
+        for k in keys:
+            rows = val(data.attacks[k])
+            cells.append(f"{100 * np.mean(flagged(rows)[np.asarray(rows.success, bool)]):.1f}")
+        cells.append(", ".join(f"{k} {100 * np.mean(flagged(s)):.1f}" for k, s in data.ood.items()))
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def _masker(mask: np.ndarray) -> Callable[[Samples], Samples]:
+    """The rows of a sample set whose source image ``mask`` keeps."""
+    return lambda samples: samples.take(mask[samples.indices])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="a finished pipeline run directory (its features are read)")
+    parser.add_argument("--network", default=None, help="default: the config's deploy network")
+    args = parser.parse_args()
+    run = PipelineRun.open(args.run, progress=False)
+    name = args.network or run.config.deploy_model
+    unseen_table(run, name)
+    deployed_table(run, name)
+
+
+if __name__ == "__main__":
+    main()
