@@ -387,7 +387,7 @@ class EnsembleDetector(Detector):
             drawn = rng.choice(clean_rows, min(len(rows), len(clean_rows)), replace=False)
             both = np.concatenate([np.sort(drawn), rows])
             seed = None if self.random_state is None else self.random_state + 100 * (i + 1)
-            part = self._parts()[0].set_params(random_state=seed)
+            part = TransportDetector(**{**self.forest_params(), "random_state": seed})
             fitted.append(part.fit(x[both], ~clean[both], predicted[both]))
         return names, fitted
 
