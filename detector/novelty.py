@@ -236,6 +236,11 @@ class NoveltyDetector(Detector):
         return detector
 
 
+def tail_ramp(u: torch.Tensor, tail: float) -> torch.Tensor:
+    """0 below the clean CDF's last ``tail``, rising to exactly 1 at u = 1 (float32)."""
+    return torch.clamp(1.0 - (1.0 - u.float()) / tail, 0.0, 1.0)
+
+
 class EnsembleScorer(nn.Module):
     """max(forest vote fraction, each family forest's, novelty tail ramp, margin tail ramp): torch
     form of :class:`EnsembleDetector`."""
@@ -261,13 +266,12 @@ class EnsembleScorer(nn.Module):
         self, features: torch.Tensor, predicted: torch.Tensor | None = None
     ) -> torch.Tensor:
         u = self.novelty(features, predicted)
-        ramp = torch.clamp(1.0 - (1.0 - u) / self.tail, 0.0, 1.0)  # exactly 1 at u = 1
-        score = torch.maximum(self.forests(features, predicted).float(), ramp)
+        score = torch.maximum(self.forests(features, predicted).float(), tail_ramp(u, self.tail))
         for family in self.families:
             score = torch.maximum(score, family(features, predicted).float())
         if self.margin is not None:
-            u = self.margin(features, predicted)
-            score = torch.maximum(score, torch.clamp(1.0 - (1.0 - u) / self.margin_tail, 0.0, 1.0))
+            margin = tail_ramp(self.margin(features, predicted), self.margin_tail)
+            score = torch.maximum(score, margin)
         return score
 
 
@@ -416,20 +420,18 @@ class EnsembleDetector(Detector):
         check_fitted(self)
         # float32 arithmetic, as the torch form computes it
         u = self.novelty_.score(features, predicted_labels).astype(np.float32)
-        ramp = np.float32(1.0) - (np.float32(1.0) - u) / np.float32(self.tail)
-        ramp = np.clip(ramp, np.float32(0.0), np.float32(1.0))
+        ramp = tail_ramp(torch.from_numpy(u), self.tail).numpy()
         score = np.maximum(self.forests_.score(features, predicted_labels).astype(np.float32), ramp)
         for family in self.families_:
             score = np.maximum(score, family.score(features, predicted_labels).astype(np.float32))
         margin = self._margin_scorer()
         if margin is not None:
             with torch.inference_mode():
-                m = margin(
+                u = margin(
                     torch.from_numpy(np.asarray(features, np.float32)),
                     torch.from_numpy(check_class_labels(predicted_labels, len(score))),
-                ).numpy()
-            ramp = np.float32(1.0) - (np.float32(1.0) - m) / np.float32(self.margin_tail)
-            score = np.maximum(score, np.clip(ramp, np.float32(0.0), np.float32(1.0)))
+                )
+                score = np.maximum(score, tail_ramp(u, self.margin_tail).numpy())
         return score.astype(np.float64)
 
     def _margin_scorer(self) -> MarginScorer | None:
