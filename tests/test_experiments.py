@@ -132,8 +132,36 @@ def test_the_ensemble_reuses_the_transport_forests_and_scores_as_if_fitted_alone
         detectors=[TransportDetector(**params), EnsembleDetector(**params)],
         **common,
     )
-    assert len(fits) == 2 * 5 + 2 * 1  # the ensemble refits only where rows differ (digits OOD)
+    assert len(fits) == 2 * 5  # every training side is drawn from the seed alone: all reused
     alone = run_protocols(detectors=[EnsembleDetector(**params)], **common)
     # Seen and unseen sides draw no shared random numbers: the same rows, the same results.
     reused = [r.row() for r in both if r.detector == "ensemble" and r.setting != "ood"]
     assert len(reused) == 3 and reused == [r.row() for r in alone if r.setting != "ood"]
+
+
+def test_the_ood_protocol_fits_on_clean_images_from_the_whole_training_side(world) -> None:
+    """Trained on an attack whose set covers a few source images (CW: the first 120), the OOD
+    detector still sees clean images of the whole training side, the population its clean test
+    rows come from, as many as the attack's training rows, the same ones for every detector."""
+    clean, attacks, ood = world
+    fitted: list[tuple[np.ndarray, int]] = []
+
+    class Recording(TransportDetector):
+        def fit_samples(self, clean: Samples, abnormal: Samples) -> TransportDetector:  # type: ignore[override]
+            fitted.append((clean.indices.copy(), len(abnormal)))
+            return super().fit_samples(clean, abnormal)
+
+    common = dict(model="lap", clean=clean, attacks=attacks, ood_sets=ood, seen=[])
+    run_protocols(
+        detectors=[Recording(n_estimators=5), Recording(n_estimators=5)],
+        unseen_train=None,
+        ood_train=["cw"],
+        seeds=[0],
+        progress=False,
+        **common,
+    )
+    (first, n_abnormal), (second, _) = fitted
+    train_side = ~Split(0, 0.1, 400).is_test & ~Split(0, 0.1, 400).is_calibration
+    assert len(first) == n_abnormal == train_side[:120].sum()
+    assert (first >= 120).any() and train_side[first].all()
+    np.testing.assert_array_equal(first, second)

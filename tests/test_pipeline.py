@@ -121,8 +121,11 @@ def test_fit_deploys_every_offered_detector(smoke_run, tmp_path, capsys) -> None
     assert guard.threshold == calibration["threshold"]
 
 
-def _held_out_fgm(smoke_run: Path, info: dict, data_root: Path) -> np.ndarray:
-    """The held-out (B2) FGM images of the smoke run's deploy network, rebuilt from its store."""
+def _held_out(
+    smoke_run: Path, info: dict, data_root: Path, attack: str, params: dict, n: int
+) -> np.ndarray:
+    """The held-out (B2) perturbed images of one attack set of the smoke run's deploy network,
+    rebuilt from its store (the rows the pipeline scored: those the attack moved)."""
     from training.adversarial import attack_images, get_or_generate
     from training.experiments import Split
 
@@ -131,15 +134,15 @@ def _held_out_fgm(smoke_run: Path, info: dict, data_root: Path) -> np.ndarray:
     attacked = get_or_generate(
         smoke_run / "attacks" / info["network"],
         model_dir,
-        x,
-        y,
-        indices,
-        "fgm",
-        {"eps": 0.1},
+        x[:n],
+        y[:n],
+        indices[:n],
+        attack,
+        params,
         progress=False,
     )
     split = Split(info["split_seed"], info["test_fraction"], int(indices.max()) + 1)
-    return attacked.x_adv[split.is_test[attacked.indices]]
+    return attacked.x_adv[split.is_test[attacked.indices] & (attacked.linf > 0)]
 
 
 def _served_scores(bundle: Path, name: str, images: np.ndarray) -> np.ndarray:
@@ -175,7 +178,7 @@ def test_evaluation_score_command_and_server_give_identical_scores(
     rate = manifest["metrics"]["heldout_flag_rate_fgm-eps0.1"]
     assert rate == info["heldout"]["flag_rate"]["fgm-eps0.1"] > 4 * info["heldout"]["fpr"]
     assert rate == np.mean(evaluated > manifest["threshold"])
-    held_out = _held_out_fgm(smoke_run, info, data_root)
+    held_out = _held_out(smoke_run, info, data_root, "fgm", {"eps": 0.1}, 600)
     assert len(held_out) == len(evaluated) == info["heldout"]["n"]["fgm-eps0.1"]
 
     np.save(tmp_path / "held_out.npy", held_out)
@@ -189,6 +192,57 @@ def test_evaluation_score_command_and_server_give_identical_scores(
 
     served = _served_scores(smoke_run / "bundle", manifest["name"], held_out)
     np.testing.assert_array_equal(served, evaluated)
+
+
+@pytest.fixture(scope="module")
+def two_family_run(smoke_run, data_root, tmp_path_factory) -> Path:
+    """The smoke run with a second attack family (DeepFool, batched, 200 images), resumed from a
+    copy of its networks, attack sets and features: the shipped ensemble then fits family
+    forests, and the margin part meets the attack it is for."""
+    import shutil
+
+    from training.pipeline import run_pipeline
+    from training.presets.pipelines import PipelineConfig
+    from training.steps import preset_config
+
+    run = tmp_path_factory.mktemp("two-families") / "run"
+    for part in ("models", "attacks", "features"):
+        shutil.copytree(smoke_run / part, run / part)
+    smoke = preset_config("smoke").model_dump()
+    config = PipelineConfig.model_validate(
+        {
+            **smoke,
+            "name": "smoke-two-families",
+            "attacks": [
+                *smoke["attacks"],
+                {"key": "deepfool", "attack": "deepfool-batched", "n": 200},
+            ],
+            "not_run": [r for r in smoke["not_run"] if r["attack"] != "deepfool"],
+        }
+    )
+    run_pipeline(config, run, root=data_root, progress=False)
+    return run
+
+
+def test_the_served_ensemble_carries_family_forests_and_scores_deepfool_as_evaluated(
+    two_family_run, data_root
+) -> None:
+    """Trained on two attack families, the shipped ensemble holds one forest set per family
+    beside the pooled ones, and a live server answers the held-out DeepFool images with the very
+    scores the pipeline recorded, at the flag rate the manifest states."""
+    run = two_family_run
+    info = json.loads((run / "detector" / "deployable.json").read_text())
+    manifest = json.loads((run / "bundle" / "manifest.json").read_text())
+    assert info["families"] == manifest["detector"]["params"]["families"]
+    assert info["families"] == ["deepfool-batched", "fgm"]
+    with np.load(run / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
+        evaluated = saved["deepfool"]
+    held_out = _held_out(run, info, data_root, "deepfool-batched", {}, 200)
+    assert len(held_out) == len(evaluated) == info["heldout"]["n"]["deepfool"] > 10
+    served = _served_scores(run / "bundle", manifest["name"], held_out)
+    np.testing.assert_array_equal(served, evaluated)
+    rate = manifest["metrics"]["heldout_flag_rate_deepfool"]
+    assert rate == np.mean(served > manifest["threshold"]) > 2 * info["heldout"]["fpr"]
 
 
 def test_shipped_rates_cover_ood_and_successful_images_and_the_server_reproduces_them(

@@ -26,7 +26,7 @@ from detector.features import FeatureSpec
 from detector.guard import Guard
 from detector.registry import get_detector, load_detector
 from training.attacks import network_config
-from training.deployable import SPLIT_SEED, equal_shares
+from training.deployable import SPLIT_SEED, attack_family, equal_shares, with_family
 from training.experiments import Samples, Split, on_all_cores
 from training.pipeline import PipelineRun
 
@@ -129,7 +129,8 @@ def _member_training(train: Samples, k: int, members: int) -> Samples:
 
 def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
     """Fit (or load) the target of network ``name``: each member on the training side of the
-    network's attack sets in equal shares (as the deployed detector), calibrated at the config's
+    network's attack sets in equal shares, each row marked with its attack family (as the
+    deployed detector: an ensemble also fits one forest set per family), calibrated at the config's
     target FPR on the calibration split's clean images through the Guard."""
     out = target_dir(run, name, spec)
     config, data = run.config, run.samples(name)
@@ -143,7 +144,10 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
         calibrations = [Calibration.from_dict(c) for c in info["calibrations"]]
     else:
         clean_train = split.train(data.clean)
-        attacked = [split.train(data.attacks[k]) for k in config.deploy_attacks or data.attacks]
+        attacked = [  # each row marked with its family, as fit_deployable marks it
+            with_family(split.train(data.attacks[k]), attack_family(config, k))
+            for k in config.deploy_attacks or data.attacks
+        ]
         detectors, calibrations = [], []
         for k in range(spec.members):
             detector = on_all_cores(get_detector(spec.detector).with_seed(SPLIT_SEED + k))

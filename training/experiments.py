@@ -354,14 +354,23 @@ class _Protocols:
             self._record(detector, "unseen", train_key, key, outcome)
 
     def ood(self, prototype: Detector, sides: Sides, train_key: str) -> None:
-        """Train against one abnormal set (an attack or an OOD set), test on every other OOD set."""
+        """Train against one abnormal set (an attack or an OOD set), test on every other OOD set.
+
+        The seed's OOD setting trains the detector to tell the data set from the abnormal set,
+        then tests it on the data set vs an unseen set: the clean training rows are drawn from the
+        whole training side (as many as abnormal rows, by the seed alone), the population the
+        clean test rows come from. An attack's own source images would not do: CW and APGD sets
+        leave out the images the network already misclassifies (:func:`training.pipeline.perturbed`), so a detector
+        fitted on their sources never saw a low-margin clean image, and flags the test side's."""
         if train_key in self.attacks:
             source = self.attacks[train_key]
-            train_clean, train_abnormal = _paired(sides.train_clean, sides.split.train(source))
+            train_abnormal = sides.split.train(source)
         else:
             source = self.ood_sets[train_key]
             train_abnormal = _positional_half(source, sides.seed, first=True)
-            train_clean, train_abnormal = _balanced(sides.train_clean, train_abnormal, sides.rng)
+        train_clean, train_abnormal = _balanced(
+            sides.train_clean, train_abnormal, np.random.default_rng(sides.seed)
+        )
         detector = self._fit(prototype, sides, train_clean, train_abnormal)
         for test_key, ood in self.ood_sets.items():
             if test_key == train_key:
