@@ -518,7 +518,9 @@ def ood_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> l
         f"{set_label(tr)} → {set_label(te)}{' (seen)' if tr == te else ''}" for tr, te in pairs
     ]
     lines += [
-        f"Train against one abnormal set (left of →), test on another (right); {_runs_note(records)}.",
+        "Train against one abnormal set (left of →) and as many clean images drawn from the whole"
+        " training side, test on another (right) and the clean test images; "
+        f"{_runs_note(records)}.",
         "",
     ]
     for metric in (ACCURACY, AUROC, FPR_AT_95_TPR):
