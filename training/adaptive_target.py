@@ -130,8 +130,8 @@ def _member_training(train: Samples, k: int, members: int) -> Samples:
 def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
     """Fit (or load) the target of network ``name``: each member on the training side of the
     network's attack sets in equal shares, each row marked with its attack family (as the
-    deployed detector: an ensemble also fits one forest set per family), calibrated at the config's
-    target FPR on the calibration split's clean images through the Guard."""
+    deployed detector: an ensemble also fits one forest set per family), calibrated at the
+    config's target FPR on the calibration split's clean images through the Guard."""
     out = target_dir(run, name, spec)
     config, data = run.config, run.samples(name)
     features = run.feature_spec(name)

@@ -360,8 +360,9 @@ class _Protocols:
         then tests it on the data set vs an unseen set: the clean training rows are drawn from the
         whole training side (as many as abnormal rows, by the seed alone), the population the
         clean test rows come from. An attack's own source images would not do: CW and APGD sets
-        leave out the images the network already misclassifies (:func:`training.pipeline.perturbed`), so a detector
-        fitted on their sources never saw a low-margin clean image, and flags the test side's."""
+        leave out the images the network already misclassifies
+        (:func:`training.pipeline.perturbed`), so a detector fitted on their sources never saw a
+        low-margin clean image, and flags the test side's."""
         if train_key in self.attacks:
             source = self.attacks[train_key]
             train_abnormal = sides.split.train(source)
