@@ -26,7 +26,7 @@ from detector.features import FeatureSpec
 from detector.guard import Guard
 from detector.registry import get_detector, load_detector
 from training.attacks import network_config
-from training.deployable import SPLIT_SEED, attack_family, equal_shares, with_family
+from training.deployable import SPLIT_SEED, deploy_parts, equal_shares
 from training.experiments import Samples, Split, on_all_cores
 from training.pipeline import PipelineRun
 
@@ -144,10 +144,7 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
         calibrations = [Calibration.from_dict(c) for c in info["calibrations"]]
     else:
         clean_train = split.train(data.clean)
-        attacked = [  # each row marked with its family, as fit_deployable marks it
-            with_family(split.train(data.attacks[k]), attack_family(config, k))
-            for k in config.deploy_attacks or data.attacks
-        ]
+        attacked = deploy_parts(config, data.attacks, split)
         detectors, calibrations = [], []
         for k in range(spec.members):
             detector = on_all_cores(get_detector(spec.detector).with_seed(SPLIT_SEED + k))

@@ -59,8 +59,7 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
     data = run.samples(name)
     keys = config.deploy_attacks or list(data.attacks)
     split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
-    parts = [with_family(split.train(data.attacks[k]), attack_family(config, k)) for k in keys]
-    abnormal = equal_shares(parts, seed=SPLIT_SEED)
+    abnormal = equal_shares(deploy_parts(config, data.attacks, split), seed=SPLIT_SEED)
     fitted = on_all_cores(get_detector(detector)).fit_samples(split.train(data.clean), abnormal)
     spec = run.feature_spec(name)
     guard = Guard.from_run(run.model(name), fitted, np.inf, features=spec, device=run.device)
@@ -93,6 +92,15 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
         },
     )
     return out
+
+
+def deploy_parts(
+    config: PipelineConfig, attacks: dict[str, Samples], split: Split
+) -> list[Samples]:
+    """The training side of each attack the deployed detector learns (the config's
+    ``deploy_attacks``, default all), every row marked with its attack family."""
+    keys = config.deploy_attacks or list(attacks)
+    return [with_family(split.train(attacks[k]), attack_family(config, k)) for k in keys]
 
 
 def attack_family(config: PipelineConfig, key: str) -> str:
