@@ -263,6 +263,31 @@ def test_batched_minimal_attacks_match_art_on_the_same_images(
     np.testing.assert_array_equal(again, adv)
 
 
+def test_batched_deepfool_with_few_candidates_works_per_image(network, data_root: Path) -> None:
+    """With ``nb_grads`` below the number of classes, each image is pushed towards the nearest
+    boundary among its own most likely classes: its result does not depend on the batch it
+    is in (ART's union of those classes over the batch made it), and it fools the network about
+    as often as DeepFool over every class, at about the same distance."""
+    from training.batched_attacks import deepfool
+
+    x, y = to_arrays(load_dataset("fashion-mnist", "test", root=data_root), 24, seed=2)
+    xt = torch.from_numpy(x)
+    kwargs = {"value_range": (0.0, 1.0), "max_iter": 20, "epsilon": 0.02}
+    few = deepfool(network, xt, nb_grads=3, **kwargs)
+    for part in (slice(0, 1), slice(1, 2), slice(2, 24)):
+        alone = deepfool(network, xt[part], nb_grads=3, **kwargs)
+        torch.testing.assert_close(alone, few[part], atol=1e-5, rtol=0)
+    every = deepfool(network, xt, nb_grads=10, **kwargs)
+    with torch.no_grad():
+        z0, after, after_every = network(xt), network(few).argmax(1), network(every).argmax(1)
+    moved = after != z0.argmax(1)
+    assert moved.sum() >= 12
+    assert abs(int(moved.sum()) - int((after_every != z0.argmax(1)).sum())) <= 2
+    l2 = (few - xt).flatten(1).norm(dim=1)[moved]
+    l2_every = (every - xt).flatten(1).norm(dim=1)[moved]
+    assert float(l2.median()) == pytest.approx(float(l2_every.median()), rel=0.15)
+
+
 def test_fgm_flips_some_predictions(network, images, tmp_path: Path) -> None:
     adv = _set(tmp_path, network, images, "fgm", {"eps": 0.3}, n=6)
     assert adv.success.sum() > (adv.clean_pred != adv.labels).sum()

@@ -258,6 +258,21 @@ def _deepfool_step(
     return _per_sample(size, direction) * direction
 
 
+def _deepfool_candidates(
+    z0: torch.Tensor, predicted: torch.Tensor, nb_grads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(candidates [N, k], the prediction's column in them): every class in order when
+    ``nb_grads`` covers them all, else each image's prediction then its ``nb_grads - 1`` (at
+    least one) next most likely classes."""
+    n, n_classes = z0.shape
+    if nb_grads >= n_classes:
+        candidates = torch.arange(n_classes, device=z0.device).expand(n, -1)
+        return candidates, predicted
+    others = z0.scatter(1, predicted[:, None], float("-inf")).topk(max(nb_grads - 1, 1), 1)
+    candidates = torch.cat([predicted[:, None], others.indices], 1)
+    return candidates, torch.zeros_like(predicted)
+
+
 def deepfool(
     model: nn.Module,
     x: torch.Tensor,
@@ -268,20 +283,17 @@ def deepfool(
     nb_grads: int,
 ) -> torch.Tensor:
     """DeepFool (ART's steps, scaled by the value range's width, clipped, then the overshoot
-    ``epsilon``) off each image's predicted class. The candidate classes are, as in ART, the
-    union over the batch of each image's ``nb_grads`` most likely classes at the start. (With
-    fewer candidates than classes, ART 1.20 subtracts the logit of the class *numbered* like the
-    prediction's position in that union; here it is the prediction's logit, as the paper has it.)"""
+    ``epsilon``) off each image's predicted class, towards the nearest boundary among the image's
+    own ``nb_grads`` most likely classes at the start (its prediction included), as Foolbox's
+    ``candidates``: one backward pass per candidate and step. ART takes the union of those classes
+    over the batch, which on a batch of 256 images is every class, so its ``nb_grads`` saves
+    nothing there and makes an image's result depend on its batch; per image it does neither.
+    With ``nb_grads`` at least the number of classes both are DeepFool over every class."""
     low, high = value_range
     with torch.no_grad():
         z0 = model(x)
     predicted = z0.argmax(1)
-    classes = torch.arange(z0.shape[1], device=x.device)
-    if nb_grads < len(classes):
-        # As ART: the union over the batch of each image's nb_grads most likely classes.
-        classes = torch.unique(z0.topk(nb_grads, dim=1).indices)
-    candidates = classes.expand(len(x), -1)
-    origin = (candidates == predicted[:, None]).int().argmax(1)
+    candidates, origin = _deepfool_candidates(z0, predicted, nb_grads)
     x_adv = x.clone()
     active = torch.ones(len(x), dtype=torch.bool, device=x.device)
     for step in range(max_iter + 1):
