@@ -228,14 +228,15 @@ def _paper_preset(
 # `full`: quick's fast attacks plus every slow one, for an overnight run on 2 CPU cores. Expected
 # time from the per-image costs in benchmarks/RESULTS.md (2 cores, run alone), both networks:
 #   training 7 min; the FGM/BIM/APGD sets (eps 0.1 and 0.03) ~25 min (quick's measured costs);
-#   CW and DeepFool as cw-batched/deepfool-batched, 1000 images: <= 0.91 h + 0.47 h (bounded by
-#     ART's CW/DeepFool, 1.79/1.50 and 0.89/0.82 s/image on VAN/LAP: the same algorithms, batched);
+#   CW and DeepFool as cw-batched/deepfool-batched, 1000 images: <= 0.91 h (bounded by ART's CW,
+#     1.79/1.50 s/image on VAN/LAP: the same algorithm, batched) + 0.06 h (DeepFool with
+#     CPU_DEEPFOOL_PARAMS, 0.10-0.11 s/image; ART's 0.82-1.40);
 #   AutoAttack standard eps=0.1, 500 images: <= 1.47 h (5.3 s/image at eps=0.03; at 0.1 APGD-CE
 #     fools almost every image and AutoAttack runs its other attacks on the rest only);
 #   HopSkipJump (50 it.), 500 images: 2.31 h (8.3 s/image);
 #   Boundary (5000 it.), 100 images: 3.48 h (62.7 s/image);
 #   features, protocols, detector, report and bundle ~10 min (quick: 8 min for 6 sets).
-# Total <= 9.3 h; the slow attacks' costs were measured on the LAP network. The slow sets can be
+# Total <= 8.9 h; the slow attacks' costs were measured on the LAP network. The slow sets can be
 # made faster elsewhere with `lapguard attack --engine ray`: a set is keyed by its configuration.
 _FULL_ATTACKS = [
     AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=10000),
@@ -264,7 +265,7 @@ _FULL = PipelineConfig(
     feature_candidates=FEATURE_CANDIDATES,
     selection_detector="ensemble",
     deploy_detector="ensemble",
-    expected_duration="at most ~9.3 h on 2 CPU cores, alone (Boundary 3.5 h, HopSkipJump 2.3 h)",
+    expected_duration="at most ~8.9 h on 2 CPU cores, alone (Boundary 3.5 h, HopSkipJump 2.3 h)",
 )
 
 PIPELINE_PRESETS: dict[str, PipelineConfig] = {
@@ -315,7 +316,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
                 key="apgd", attack="apgd", params={"eps": 0.1}, n=1250, n_by_model={"vanilla": 500}
             ),
             # ART's CW-L2 and DeepFool as batched torch code (same algorithms, tested against
-            # ART): CW with CPU_CW_PARAMS ~16x, DeepFool with CPU_DEEPFOOL_PARAMS ~9x cheaper than
+            # ART): CW with CPU_CW_PARAMS ~16x, DeepFool with CPU_DEEPFOOL_PARAMS ~12x cheaper than
             # ART's on 2 CPU cores.
             AttackRun(
                 key="cw",
