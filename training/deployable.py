@@ -57,7 +57,7 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
         return out
     config, name = run.config, run.config.deploy_model
     data = run.samples(name)
-    keys = config.deploy_attacks or list(data.attacks)
+    keys = deploy_keys(config, data.attacks)
     split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
     abnormal = equal_shares(deploy_parts(config, data.attacks, split), seed=SPLIT_SEED)
     fitted = on_all_cores(get_detector(detector)).fit_samples(split.train(data.clean), abnormal)
@@ -97,10 +97,18 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
 def deploy_parts(
     config: PipelineConfig, attacks: dict[str, Samples], split: Split
 ) -> list[Samples]:
-    """The training side of each attack the deployed detector learns (the config's
-    ``deploy_attacks``, default all), every row marked with its attack family."""
-    keys = config.deploy_attacks or list(attacks)
-    return [with_family(split.train(attacks[k]), attack_family(config, k)) for k in keys]
+    """The training side of each attack the deployed detector learns (:func:`deploy_keys`), every
+    row marked with its attack family."""
+    return [
+        with_family(split.train(attacks[k]), attack_family(config, k))
+        for k in deploy_keys(config, attacks)
+    ]
+
+
+def deploy_keys(config: PipelineConfig, attacks: dict[str, Samples]) -> list[str]:
+    """The attack sets the deployed detector learns: the config's ``deploy_attacks``, default
+    every set of the network."""
+    return config.deploy_attacks or list(attacks)
 
 
 def attack_family(config: PipelineConfig, key: str) -> str:
