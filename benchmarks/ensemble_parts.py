@@ -8,8 +8,9 @@ the test side (B2) is never read. Two tables, each row one ensemble configuratio
    attack's validation rows at the ensemble's own decision 0.5 (as the unseen protocol);
 2. deployed analog: every attack in equal shares (as ``fit_deployable``), the threshold
    calibrated on the calibration slice (the config's FPR target and confidence), the share of
-   each attack's successful validation images flagged; OOD rates are printed for information
-   (they are test-side sets: never choose on them).
+   each attack's successful validation images flagged, and of three training-side OOD proxies
+   made from the validation clean images (inverted, rotated by 90 degrees, pixels shuffled);
+   the run's OOD sets are printed for information (test-side sets: never choose on them).
 
     .venv/bin/python benchmarks/ensemble_parts.py runs/quick
 """
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from detector.calibration import Calibration
+from detector.features import extract_features
 from detector.novelty import EnsembleDetector
 from training.deployable import attack_family, equal_shares, with_family
 from training.experiments import Samples, Split
@@ -33,10 +35,14 @@ TAILS = [(0.05, 0.0), (0.05, 0.01), (0.04, 0.02), (0.03, 0.02), (0.025, 0.025), 
 DEPLOYED = {
     "pooled, Gaussian 0.05": dict(family_forests=False, tail=0.05, margin_tail=0.0),
     "families, Gaussian 0.05": dict(family_forests=True, tail=0.05, margin_tail=0.0),
-    "families, Gaussian 0.025 + margin 0.025": dict(
-        family_forests=True, tail=0.025, margin_tail=0.025
+    "families (1 clean per row), Gaussian 0.025 + margin 0.025": dict(
+        family_forests=True, tail=0.025, margin_tail=0.025, family_clean_ratio=1.0
+    ),
+    "families (4 clean per row), Gaussian 0.025 + margin 0.025": dict(
+        family_forests=True, tail=0.025, margin_tail=0.025, family_clean_ratio=4.0
     ),
 }
+PROXY_IMAGES = 1000  # validation clean images each OOD proxy is made from
 
 
 def validation_cut(run: PipelineRun, name: str) -> tuple[Split, np.ndarray, np.ndarray]:
@@ -85,8 +91,9 @@ def deployed_table(run: PipelineRun, name: str) -> None:
     parts = [with_family(fit(data.attacks[k]), attack_family(config, k)) for k in keys]
     abnormal = equal_shares(parts, seed=0)
     print(f"\nDeployed analog ({name}), successful validation images flagged (%):\n")
-    print("| parts | threshold | clean FPR | " + " | ".join(keys) + " | OOD (info) |")
-    print("|---" + "|---:" * (len(keys) + 3) + "|")
+    proxies = ood_proxies(run, name, val(data.clean))
+    print("| parts | threshold | clean FPR | " + " | ".join([*keys, *proxies]) + " | OOD (info) |")
+    print("|---" + "|---:" * (len(keys) + len(proxies) + 3) + "|")
     for label, params in DEPLOYED.items():
         detector = EnsembleDetector(n_jobs=-1, **params).fit_samples(fit(data.clean), abnormal)
         calibration = Calibration.from_scores(
@@ -103,8 +110,34 @@ def deployed_table(run: PipelineRun, name: str) -> None:
         for k in keys:
             rows = val(data.attacks[k])
             cells.append(f"{100 * np.mean(flagged(rows)[np.asarray(rows.success, bool)]):.1f}")
+        cells += [f"{100 * np.mean(flagged(s)):.1f}" for s in proxies.values()]
         cells.append(", ".join(f"{k} {100 * np.mean(flagged(s)):.1f}" for k, s in data.ood.items()))
         print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def ood_proxies(run: PipelineRun, name: str, clean: Samples) -> dict[str, Samples]:
+    """Training-side OOD stand-ins made from ``clean``'s first images: inverted, rotated by 90
+    degrees, pixels shuffled (each image its own permutation), with the run's features."""
+    x = clean.images[:PROXY_IMAGES]
+    rng = np.random.default_rng(0)
+    flat = x.reshape(len(x), -1)
+    shuffled = np.take_along_axis(flat, rng.random(flat.shape).argsort(1), 1).reshape(x.shape)
+    low, high = run.model(name).config.input_spec.value_range  # type: ignore[union-attr]
+    images = {
+        "inverted": (low + high) - x,
+        "rot90": np.ascontiguousarray(np.rot90(x, 1, axes=(2, 3))),
+        "shuffled": shuffled,
+    }
+    proxies = {}
+    for key, batch in images.items():
+        features, logits = extract_features(
+            run.model(name), batch, device=run.device, spec=run.feature_spec(name)
+        )
+        proxies[key] = Samples(
+            key, batch, features, logits.argmax(1), np.arange(len(batch)),
+            feature_names=clean.feature_names,
+        )  # fmt: skip
+    return proxies
 
 
 def _masker(mask: np.ndarray) -> Callable[[Samples], Samples]:

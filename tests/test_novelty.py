@@ -57,6 +57,17 @@ def test_classes_without_a_mean_use_the_nearest_one() -> None:
             assert torch.equal(scorer.distance(features, labels), nearest)
 
 
+def test_too_few_samples_per_class_share_one_pooled_gaussian() -> None:
+    x, y = _clean(n=30)  # two classes: neither reaches min_class_samples=30
+    detector = NoveltyDetector(min_class_samples=30).fit(x, y)
+    arrays = detector.arrays_
+    assert arrays["class_present"].tolist() == [1, 1]
+    np.testing.assert_array_equal(arrays["class_means"], 0.0)  # the pooled mean, standardized
+    # Every label scores as the pooled Gaussian; far inputs lie beyond every clean sample.
+    np.testing.assert_array_equal(detector.score(x, y), detector.score(x, 1 - y))
+    assert (detector.score(x + np.float32(5.0), y) == 1.0).all()
+
+
 def test_bad_fits_and_artefacts_are_refused() -> None:
     x, y = _clean(n=5)
     with pytest.raises(InputError, match="at least 6 clean samples"):
@@ -133,9 +144,12 @@ def test_family_forests_join_the_ensemble_and_travel_with_it() -> None:
     np.testing.assert_allclose(
         ensemble.score(features, labels), np.max([*parts, ramp], axis=0), atol=1e-6
     )
-    # The subtle family's own forests were fitted on 60 of its rows vs 60 clean ones.
+    # The subtle family's own forests were fitted on its 60 rows vs 4 clean rows per row; the
+    # large family's on its 500 rows vs every one of the 900 clean rows (fewer than 4 x 500).
     root_weight = ensemble.families_[1].forest_.estimators_[0].tree_.weighted_n_node_samples[0]
-    assert root_weight == 120  # a bootstrap sample of 120 rows
+    assert root_weight == 300  # a bootstrap sample of 60 + 240 rows
+    large_root = ensemble.families_[0].forest_.estimators_[0].tree_.weighted_n_node_samples[0]
+    assert large_root == 1400
     # The arrays, the torch form and a loaded copy all score alike.
     restored = _assert_scores_travel(ensemble, features, labels)
     assert restored.family_names_ == ["large", "subtle"]
@@ -147,6 +161,8 @@ def test_family_forests_join_the_ensemble_and_travel_with_it() -> None:
     assert one.families_ == [] and off.fit(features, is_abnormal, labels, families).families_ == []
     with pytest.raises(InputError, match="families must have shape"):
         EnsembleDetector(n_estimators=5).fit(features, is_abnormal, labels, families[:10])
+    with pytest.raises(InputError, match="family_clean_ratio must be > 0"):
+        EnsembleDetector(n_estimators=5, family_clean_ratio=0).fit(features, is_abnormal, labels)
 
 
 def test_the_margin_part_flags_inputs_on_the_decision_boundary() -> None:
