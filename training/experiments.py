@@ -29,7 +29,11 @@ from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
 from detector.novelty import EnsembleDetector
 
-CALIBRATION_FRACTION = 0.1
+# The calibration slice: a quarter of the training side (2,000 clean images of Fashion-MNIST's
+# 10,000 test images at test_fraction 0.2). The bundle's threshold keeps the FPR's one-sided
+# 95% Clopper-Pearson bound under its target: with 800 images (a tenth) that forced an empirical
+# FPR of 3.6% for a 5% target, with 2,000 it allows 4.15% -- budget the detector flags with.
+CALIBRATION_FRACTION = 0.25
 METRIC_KEYS = (
     "accuracy",
     "auroc",
