@@ -37,11 +37,12 @@ def _samples(name: str, indices: np.ndarray, rng: np.random.Generator) -> Sample
 
 @pytest.fixture
 def world() -> tuple[Samples, dict[str, Samples]]:
-    """Clean images 0..599, an attack on all of them and one on the first 150 only."""
+    """Clean images 0..599, an attack on all of them and one on the first 180 only (its
+    training side: about 120 images, the calibration slice and the test side left out)."""
     rng = np.random.default_rng(0)
     universe = np.arange(600)
     clean = _samples("clean", universe, rng)
-    attacks = {"fgm": _samples("fgm", universe, rng), "cw": _samples("cw", universe[:150], rng)}
+    attacks = {"fgm": _samples("fgm", universe, rng), "cw": _samples("cw", universe[:180], rng)}
     return clean, attacks
 
 
