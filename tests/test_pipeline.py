@@ -121,6 +121,32 @@ def test_fit_deploys_every_offered_detector(smoke_run, tmp_path, capsys) -> None
     assert guard.threshold == calibration["threshold"]
 
 
+def test_held_out_clean_flags_split_by_whether_the_network_is_right(smoke_run, data_root) -> None:
+    """deployable.json and the manifest split the held-out clean flag rate between the images
+    the network classifies right and those it gets wrong, as the saved Guard scores give it."""
+    import torch
+
+    from detector.networks import load
+    from training.adversarial import attack_images
+    from training.experiments import Split
+
+    info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
+    manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
+    model_dir = smoke_run / "models" / info["network"]
+    x, y, indices = attack_images(model_dir, n=600, root=data_root)
+    test = Split(info["split_seed"], info["test_fraction"], int(indices.max()) + 1).is_test[indices]
+    with torch.inference_mode():
+        predicted = load(model_dir)(torch.from_numpy(x[test])).argmax(1).numpy()
+    wrong = predicted != y[test]
+    with np.load(smoke_run / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
+        flagged = saved["clean"] > info["calibration"]["threshold"]
+    heldout = info["heldout"]
+    assert len(flagged) == heldout["n_clean"] and heldout["n_misclassified"] == wrong.sum() > 0
+    assert heldout["fpr_correct"] == np.mean(flagged[~wrong])
+    assert heldout["fpr_misclassified"] == np.mean(flagged[wrong])
+    assert manifest["metrics"]["heldout_fpr_correct"] == heldout["fpr_correct"]
+
+
 def _held_out(
     smoke_run: Path, info: dict, data_root: Path, attack: str, params: dict, n: int
 ) -> np.ndarray:

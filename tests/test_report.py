@@ -68,6 +68,9 @@ DEPLOYABLE = {
     "heldout": {
         "fpr": 0.048,
         "n_clean": 1000,
+        "fpr_correct": 0.0304,
+        "fpr_misclassified": 0.25,
+        "n_misclassified": 80,
         "flag_rate": {"fgm-eps0.1": 0.995, "bim": 0.9874, "fgm-eps0.03": 0.61},
         "n": {"fgm-eps0.1": 1000, "bim": 478, "fgm-eps0.03": 200},
         "successful_flag_rate": {"fgm-eps0.1": 0.9971, "bim": 0.9912},
@@ -303,6 +306,8 @@ def test_deployed_detector_rates_shown_with_every_key_found(tmp_path: Path) -> N
     run = make_run(tmp_path)
     deployed = _section(write_report(run).read_text(), "Deployed detector")
     assert "threshold 0.57" in deployed and "5.00% FPR on 900" in deployed
+    assert "misclassifies 80: the detector flags 25.00% of those" in deployed
+    assert "and 3.04% of the images it classifies right" in deployed
     header = "| Set "
     assert "successful flag rate (%)" in next(
         ln for ln in deployed.splitlines() if ln.startswith(header)

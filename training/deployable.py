@@ -69,7 +69,8 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
         default_vote_threshold=detector_info(detector).default_threshold or 0.5,
         confidence=config.calibration_confidence,
     )
-    scores = {"clean": _guard_scores(guard, split.test(data.clean))}
+    held_out_clean = split.test(data.clean)
+    scores = {"clean": _guard_scores(guard, held_out_clean)}
     held_out = {k: split.test(v) for k, v in data.attacks.items()}
     scores.update({k: _guard_scores(guard, v) for k, v in held_out.items()})
     scores.update({f"ood-{k}": _guard_scores(guard, v) for k, v in data.ood.items()})
@@ -86,7 +87,10 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
             "families": list(getattr(fitted, "family_names_", [])),
             "calibration": calibration.to_dict(),
             "features": asdict(spec),
-            "heldout": _heldout_rates(scores, successful, calibration.threshold),
+            "heldout": _heldout_rates(scores, successful, calibration.threshold)
+            | _clean_by_prediction(
+                scores["clean"] > calibration.threshold, _misclassified(run, name, held_out_clean)
+            ),
             "split_seed": SPLIT_SEED,
             "test_fraction": config.test_fraction,
         },
@@ -153,6 +157,29 @@ def _heldout_rates(
     }
 
 
+def _misclassified(run: PipelineRun, name: str, clean: Samples) -> np.ndarray:
+    """True where network ``name`` gets a clean sample's label wrong."""
+    _, labels, indices = run.test_images(name)
+    label_of = dict(zip(indices.tolist(), labels.tolist(), strict=True))
+    truth = np.array([label_of[int(i)] for i in clean.indices], dtype=np.int64)
+    return np.asarray(clean.predicted) != truth
+
+
+def _clean_by_prediction(flagged: np.ndarray, misclassified: np.ndarray) -> dict[str, Any]:
+    """The held-out clean images' flag rate split by whether the network classifies them right:
+    a flag on an image it gets wrong also stops a wrong answer; ``fpr_correct`` is the rate an
+    operator pays on answers that were right."""
+
+    def rate(rows: np.ndarray) -> float | None:
+        return float(np.mean(flagged[rows])) if rows.any() else None
+
+    return {
+        "fpr_correct": rate(~misclassified),
+        "fpr_misclassified": rate(misclassified),
+        "n_misclassified": int(misclassified.sum()),
+    }
+
+
 def load_deployable(run: str | Path) -> tuple[Detector, Calibration, dict[str, Any]]:
     """The detector written by :func:`fit_deployable`, its calibration and its description."""
     directory = RunDir(run).detector_dir
@@ -166,8 +193,15 @@ def load_deployable(run: str | Path) -> tuple[Detector, Calibration, dict[str, A
 
 def bundle_metrics(run: str | Path, info: dict[str, Any]) -> dict[str, float]:
     """Headline metrics of the bundle: held-out rates, test accuracy, seen detection means."""
-    metrics: dict[str, float] = {"heldout_fpr": info["heldout"]["fpr"]}
     heldout = info["heldout"]
+    metrics: dict[str, float] = {"heldout_fpr": heldout["fpr"]}
+    metrics.update(
+        {
+            f"heldout_{key}": heldout[key]
+            for key in ("fpr_correct", "fpr_misclassified")
+            if heldout.get(key) is not None
+        }
+    )
     metrics.update({f"heldout_flag_rate_{key}": rate for key, rate in heldout["flag_rate"].items()})
     metrics.update(
         {

@@ -656,7 +656,19 @@ def _calibration_note(
         f"Rates are measured by the Guard (the server's scoring path) on the held-out test side "
         f"(split seed {info.get('split_seed', '?')}, one run); n: images per set. The last "
         "column is the seen protocol's rate for the same network and detector trained on that "
-        "attack alone (mean ± std over its runs)."
+        "attack alone (mean ± std over its runs)." + _clean_split_note(info.get("heldout", {}))
+    )
+
+
+def _clean_split_note(heldout: Mapping[str, Any]) -> str:
+    """' Of the held-out clean images the network misclassifies N: ...' when recorded."""
+    right, wrong = heldout.get("fpr_correct"), heldout.get("fpr_misclassified")
+    if right is None or wrong is None:
+        return ""
+    return (
+        f" Of the held-out clean images, the network misclassifies {heldout['n_misclassified']}: "
+        f"the detector flags {_percent(wrong)}% of those (a flag that also stops a wrong answer) "
+        f"and {_percent(right)}% of the images it classifies right."
     )
 
 
