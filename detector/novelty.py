@@ -25,8 +25,9 @@ DeepFool 80.5); shared with the margin part, 90.5 (CW 76.4, DeepFool 98.2). The 
   clean rows per row of the family: with as many clean rows as attacked ones, a minimal-
   perturbation family's forests learned clean from a few hundred images and spent most of the
   ensemble's false-positive budget (q20's training side, validation quarter, at 3.4% FPR: the CW
-  forests alone flagged 2.5% of clean images; with 4 clean rows per row 0.5%, and the ensemble
-  flagged FGM eps=0.03 at 97.2% instead of 93.9%, CW at 90.0% instead of 89.6%);
+  forests alone flagged 2.5% of clean images). ``benchmarks/ensemble_parts.py`` on q21's
+  training side, 1 -> 4 clean rows per row: calibrated threshold 0.86 -> 0.68, FGM eps=0.03
+  flagged 92.0% -> 96.5%, CW 81.2% -> 88.6%;
 - the margin part (:mod:`detector.margin`): the clean CDF of the logit margin per predicted
   class, ramped over its last ``margin_tail``: images on the decision boundary, where
   minimal-perturbation attacks stop, whatever the attack.
