@@ -61,7 +61,7 @@ def validation_cut(run: PipelineRun, name: str) -> tuple[Split, np.ndarray, np.n
 def unseen_table(run: PipelineRun, name: str) -> None:
     data = run.samples(name)
     _, is_fit, is_val = validation_cut(run, name)
-    fit, val = _masker(is_fit), _masker(is_val)
+    fit, val = masker(is_fit), masker(is_val)
     attacked = fit(data.attacks[UNSEEN_TRAIN])
     clean = fit(data.clean).take(np.isin(fit(data.clean).indices, attacked.indices))  # pairs
     others = [k for k in data.attacks if k != UNSEEN_TRAIN]
@@ -86,7 +86,7 @@ def unseen_table(run: PipelineRun, name: str) -> None:
 def deployed_table(run: PipelineRun, name: str) -> None:
     data, config = run.samples(name), run.config
     split, is_fit, is_val = validation_cut(run, name)
-    fit, val = _masker(is_fit), _masker(is_val)
+    fit, val = masker(is_fit), masker(is_val)
     keys = list(data.attacks)
     parts = [with_family(fit(data.attacks[k]), attack_family(config, k)) for k in keys]
     abnormal = equal_shares(parts, seed=0)
@@ -140,7 +140,7 @@ def ood_proxies(run: PipelineRun, name: str, clean: Samples) -> dict[str, Sample
     return proxies
 
 
-def _masker(mask: np.ndarray) -> Callable[[Samples], Samples]:
+def masker(mask: np.ndarray) -> Callable[[Samples], Samples]:
     """The rows of a sample set whose source image ``mask`` keeps."""
     return lambda samples: samples.take(mask[samples.indices])
 

@@ -1,0 +1,134 @@
+"""A second network's opinion as detector features, measured on the TRAINING side of a run only.
+
+A minimal perturbation made for one network rarely moves another: the run's other network
+(vanilla beside LAP) mostly keeps the original class on the deploy network's CW and DeepFool
+images, and mostly agrees with it on clean images. Three columns carry that opinion beside the
+shipped features: whether the other network agrees with the deploy network's prediction, the
+log of its probability of that class, and its max probability. Same cut as
+``ensemble_parts.py`` (the seed-0 training side, a validation quarter held out; the test side is
+never read); two tables, each without and with the columns:
+
+1. deployed analog: every attack in equal shares, the threshold calibrated on the calibration
+   slice (the config's FPR target and confidence), successful validation images flagged;
+2. unseen analog: forests on FGM eps=0.1 only, balanced accuracy at the ensemble's decision 0.5.
+
+Not shipped: a bundle would have to carry and run both networks (see benchmarks/RESULTS.md).
+
+    .venv/bin/python benchmarks/second_opinion.py runs/quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from detector.calibration import Calibration
+from detector.novelty import EnsembleDetector
+from training.deployable import attack_family, equal_shares, with_family
+from training.experiments import Samples
+from training.pipeline import PipelineRun
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ensemble_parts import UNSEEN_TRAIN, masker, validation_cut  # noqa: E402
+
+OPINION_NAMES = ("second_agrees", "second_log_prob", "second_max_prob")
+
+
+def opinion(other: torch.nn.Module, samples: Samples, batch: int = 512) -> np.ndarray:
+    """[N, 3]: the other network agrees with ``samples.predicted``; log of its probability of
+    that class; its max probability."""
+    probs = []
+    with torch.inference_mode():
+        for start in range(0, len(samples), batch):
+            x = torch.from_numpy(samples.images[start : start + batch])
+            probs.append(other(x).float().softmax(1))
+    p = torch.cat(probs)
+    predicted = torch.from_numpy(np.asarray(samples.predicted, np.int64))
+    own = p.gather(1, predicted[:, None])[:, 0]
+    agrees = (p.argmax(1) == predicted).float()
+    return torch.stack([agrees, torch.log(own + 1e-6), p.max(1).values], 1).numpy()
+
+
+def with_opinion(samples: Samples, columns: np.ndarray) -> Samples:
+    """The samples with the opinion columns appended."""
+    names = (*(samples.feature_names or ()), *OPINION_NAMES)
+    features = np.hstack([samples.features, columns]).astype(np.float32)
+    return replace(samples, features=features, feature_names=names)
+
+
+def deployed_rates(run: PipelineRun, name: str, sets: dict[str, Samples]) -> list[str]:
+    """Cells: threshold, validation clean FPR, each attack's successful validation images
+    flagged (%), for the deployed recipe on ``sets`` ('clean' and the attack keys)."""
+    split, is_fit, is_val = validation_cut(run, name)
+    fit, val = masker(is_fit), masker(is_val)
+    keys = [k for k in sets if k != "clean"]
+    parts = [with_family(fit(sets[k]), attack_family(run.config, k)) for k in keys]
+    detector = EnsembleDetector(n_jobs=-1).fit_samples(
+        fit(sets["clean"]), equal_shares(parts, seed=0)
+    )
+    threshold = Calibration.from_scores(
+        detector.score_samples(split.calibration(sets["clean"])),
+        run.config.target_fpr,
+        confidence=run.config.calibration_confidence,
+    ).threshold
+    cells = [f"{threshold:.3f}"]
+    cells.append(f"{100 * np.mean(detector.score_samples(val(sets['clean'])) > threshold):.2f}")
+    for k in keys:
+        rows = val(sets[k])
+        flagged = detector.score_samples(rows)[np.asarray(rows.success, bool)] > threshold
+        cells.append(f"{100 * np.mean(flagged):.1f}")
+    return cells
+
+
+def unseen_accuracies(run: PipelineRun, name: str, sets: dict[str, Samples]) -> list[str]:
+    """Cells: validation clean FPR at 0.5, each other attack's balanced accuracy, their mean."""
+    _, is_fit, is_val = validation_cut(run, name)
+    fit, val = masker(is_fit), masker(is_val)
+    attacked = fit(sets[UNSEEN_TRAIN])
+    clean = fit(sets["clean"]).take(np.isin(fit(sets["clean"]).indices, attacked.indices))
+    detector = EnsembleDetector(n_jobs=-1).fit_samples(clean, attacked)
+    fpr = float(np.mean(detector.score_samples(val(sets["clean"])) > 0.5))
+    others = [k for k in sets if k not in ("clean", UNSEEN_TRAIN)]
+    accuracy = [
+        100 * (float(np.mean(detector.score_samples(val(sets[k])) > 0.5)) + 1 - fpr) / 2
+        for k in others
+    ]
+    return [f"{100 * fpr:.2f}", *(f"{a:.1f}" for a in accuracy), f"{np.mean(accuracy):.1f}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="a finished pipeline run directory (its features are read)")
+    parser.add_argument("--network", default=None, help="default: the config's deploy network")
+    parser.add_argument("--other", default=None, help="default: the run's other network")
+    args = parser.parse_args()
+    run = PipelineRun.open(args.run, progress=False)
+    name = args.network or run.config.deploy_model
+    other_name = args.other or next(m for m in run.config.models if m != name)
+    data = run.samples(name)
+    base = {"clean": data.clean, **data.attacks}
+    other = run.model(other_name)
+    second = {k: with_opinion(s, opinion(other, s)) for k, s in base.items()}
+    for k, s in second.items():
+        print(f"{other_name} agrees with {name} on {100 * s.features[:, -3].mean():.1f}% of {k}")
+    keys = list(data.attacks)
+    print(f"\nDeployed analog ({name}), successful validation images flagged (%):\n")
+    print("| features | threshold | clean FPR | " + " | ".join(keys) + " |")
+    print("|---" + "|---:" * (len(keys) + 2) + "|")
+    for label, sets in (("shipped", base), (f"+ {other_name}'s opinion", second)):
+        print(f"| {label} | " + " | ".join(deployed_rates(run, name, sets)) + " |", flush=True)
+    others = [k for k in keys if k != UNSEEN_TRAIN]
+    print(f"\nUnseen analog ({name}; forests on {UNSEEN_TRAIN}), balanced accuracy at 0.5:\n")
+    print("| features | clean FPR | " + " | ".join(others) + " | mean |")
+    print("|---" + "|---:" * (len(others) + 2) + "|")
+    for label, sets in (("shipped", base), (f"+ {other_name}'s opinion", second)):
+        print(f"| {label} | " + " | ".join(unseen_accuracies(run, name, sets)) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
