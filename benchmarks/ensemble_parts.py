@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -58,12 +59,22 @@ def validation_cut(run: PipelineRun, name: str) -> tuple[Split, np.ndarray, np.n
     return split, is_fit, is_validation
 
 
+def unseen_pairs(
+    run: PipelineRun, name: str, clean: Samples, attacked: Samples
+) -> tuple[Samples, Samples]:
+    """The unseen analog's training rows: the fit part's ``attacked`` images (the attack
+    ``UNSEEN_TRAIN``) and their clean sources."""
+    _, is_fit, _ = validation_cut(run, name)
+    fit = masker(is_fit)
+    attacked = fit(attacked)
+    return fit(clean).take(np.isin(fit(clean).indices, attacked.indices)), attacked
+
+
 def unseen_table(run: PipelineRun, name: str) -> None:
     data = run.samples(name)
-    _, is_fit, is_val = validation_cut(run, name)
-    fit, val = masker(is_fit), masker(is_val)
-    attacked = fit(data.attacks[UNSEEN_TRAIN])
-    clean = fit(data.clean).take(np.isin(fit(data.clean).indices, attacked.indices))  # pairs
+    _, _, is_val = validation_cut(run, name)
+    val = masker(is_val)
+    clean, attacked = unseen_pairs(run, name, data.clean, data.attacks[UNSEEN_TRAIN])
     others = [k for k in data.attacks if k != UNSEEN_TRAIN]
     print(f"\nUnseen analog ({name}; forests on {UNSEEN_TRAIN}), balanced accuracy at 0.5:\n")
     print("| Gaussian tail | margin tail | clean FPR | " + " | ".join(others) + " | mean |")
@@ -83,25 +94,37 @@ def unseen_table(run: PipelineRun, name: str) -> None:
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
+def deployed_analog(
+    run: PipelineRun, name: str, clean: Samples, attacks: dict[str, Samples], **params: Any
+) -> tuple[EnsembleDetector, float]:
+    """The deployed recipe on the fit part (every attack in equal shares, each row marked with
+    its family) and its threshold calibrated on the calibration slice (the config's FPR target
+    and confidence)."""
+    split, is_fit, _ = validation_cut(run, name)
+    fit = masker(is_fit)
+    parts = [with_family(fit(a), attack_family(run.config, k)) for k, a in attacks.items()]
+    detector = EnsembleDetector(n_jobs=-1, **params).fit_samples(
+        fit(clean), equal_shares(parts, seed=0)
+    )
+    calibration = Calibration.from_scores(
+        detector.score_samples(split.calibration(clean)),
+        run.config.target_fpr,
+        confidence=run.config.calibration_confidence,
+    )
+    return detector, calibration.threshold
+
+
 def deployed_table(run: PipelineRun, name: str) -> None:
-    data, config = run.samples(name), run.config
-    split, is_fit, is_val = validation_cut(run, name)
-    fit, val = masker(is_fit), masker(is_val)
+    data = run.samples(name)
+    _, _, is_val = validation_cut(run, name)
+    val = masker(is_val)
     keys = list(data.attacks)
-    parts = [with_family(fit(data.attacks[k]), attack_family(config, k)) for k in keys]
-    abnormal = equal_shares(parts, seed=0)
     print(f"\nDeployed analog ({name}), successful validation images flagged (%):\n")
     proxies = ood_proxies(run, name, val(data.clean))
     print("| parts | threshold | clean FPR | " + " | ".join([*keys, *proxies]) + " | OOD (info) |")
     print("|---" + "|---:" * (len(keys) + len(proxies) + 3) + "|")
     for label, params in DEPLOYED.items():
-        detector = EnsembleDetector(n_jobs=-1, **params).fit_samples(fit(data.clean), abnormal)
-        calibration = Calibration.from_scores(
-            detector.score_samples(split.calibration(data.clean)),
-            config.target_fpr,
-            confidence=config.calibration_confidence,
-        )
-        threshold = calibration.threshold
+        detector, threshold = deployed_analog(run, name, data.clean, data.attacks, **params)
 
         def flagged(samples: Samples) -> np.ndarray:
             return detector.score_samples(samples) > threshold  # noqa: B023 (used in this loop)

@@ -27,14 +27,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from detector.calibration import Calibration
 from detector.novelty import EnsembleDetector
-from training.deployable import attack_family, equal_shares, with_family
 from training.experiments import Samples
 from training.pipeline import PipelineRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ensemble_parts import UNSEEN_TRAIN, masker, validation_cut  # noqa: E402
+from ensemble_parts import (  # noqa: E402
+    UNSEEN_TRAIN,
+    deployed_analog,
+    masker,
+    unseen_pairs,
+    validation_cut,
+)
 
 OPINION_NAMES = ("second_agrees", "second_log_prob", "second_max_prob")
 
@@ -64,22 +68,12 @@ def with_opinion(samples: Samples, columns: np.ndarray) -> Samples:
 def deployed_rates(run: PipelineRun, name: str, sets: dict[str, Samples]) -> list[str]:
     """Cells: threshold, validation clean FPR, each attack's successful validation images
     flagged (%), for the deployed recipe on ``sets`` ('clean' and the attack keys)."""
-    split, is_fit, is_val = validation_cut(run, name)
-    fit, val = masker(is_fit), masker(is_val)
-    keys = [k for k in sets if k != "clean"]
-    parts = [with_family(fit(sets[k]), attack_family(run.config, k)) for k in keys]
-    detector = EnsembleDetector(n_jobs=-1).fit_samples(
-        fit(sets["clean"]), equal_shares(parts, seed=0)
-    )
-    threshold = Calibration.from_scores(
-        detector.score_samples(split.calibration(sets["clean"])),
-        run.config.target_fpr,
-        confidence=run.config.calibration_confidence,
-    ).threshold
+    attacks = {k: s for k, s in sets.items() if k != "clean"}
+    detector, threshold = deployed_analog(run, name, sets["clean"], attacks)
+    val = masker(validation_cut(run, name)[2])
     cells = [f"{threshold:.3f}"]
     cells.append(f"{100 * np.mean(detector.score_samples(val(sets['clean'])) > threshold):.2f}")
-    for k in keys:
-        rows = val(sets[k])
+    for rows in map(val, attacks.values()):
         flagged = detector.score_samples(rows)[np.asarray(rows.success, bool)] > threshold
         cells.append(f"{100 * np.mean(flagged):.1f}")
     return cells
@@ -87,10 +81,8 @@ def deployed_rates(run: PipelineRun, name: str, sets: dict[str, Samples]) -> lis
 
 def unseen_accuracies(run: PipelineRun, name: str, sets: dict[str, Samples]) -> list[str]:
     """Cells: validation clean FPR at 0.5, each other attack's balanced accuracy, their mean."""
-    _, is_fit, is_val = validation_cut(run, name)
-    fit, val = masker(is_fit), masker(is_val)
-    attacked = fit(sets[UNSEEN_TRAIN])
-    clean = fit(sets["clean"]).take(np.isin(fit(sets["clean"]).indices, attacked.indices))
+    val = masker(validation_cut(run, name)[2])
+    clean, attacked = unseen_pairs(run, name, sets["clean"], sets[UNSEEN_TRAIN])
     detector = EnsembleDetector(n_jobs=-1).fit_samples(clean, attacked)
     fpr = float(np.mean(detector.score_samples(val(sets["clean"])) > 0.5))
     others = [k for k in sets if k not in ("clean", UNSEEN_TRAIN)]
