@@ -1,0 +1,85 @@
+"""How the transport detector's two forests are combined, measured on the TRAINING side of a run.
+
+The transport detector scores an input by the max of two vote fractions, its predicted class's
+forest and the general forest (seed 003 §5.4.2: "an input is considered an attack if at least one
+detector says so"). Per attack, on the deploy network's seed-0 training side cut as in
+``ensemble_parts.py`` (a validation quarter held out; the test side is never read), the seen
+analog's balanced accuracy at 0.5 (pairs: the attacked images and their clean sources) for the
+max, the mean, the general forest alone and the class forest alone -- one fit per attack.
+
+    .venv/bin/python benchmarks/forest_combination.py runs/quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from detector.base import vote_fraction
+from detector.forest import TransportDetector
+from training.experiments import Samples
+from training.pipeline import PipelineRun
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ensemble_parts import masker, validation_cut  # noqa: E402
+
+RULES = ("max", "mean", "general", "class")
+
+
+def votes(detector: TransportDetector, samples: Samples) -> tuple[np.ndarray, np.ndarray]:
+    """(general forest's, own class forest's) vote fractions; the general one for classes
+    without a forest of their own."""
+    general = vote_fraction(detector.forest_, samples.features)
+    own = general.copy()
+    for label, forest in detector.class_forests_.items():
+        rows = samples.predicted == label
+        if rows.any():
+            own[rows] = vote_fraction(forest, samples.features[rows])
+    return general, own
+
+
+def combined(general: np.ndarray, own: np.ndarray) -> dict[str, np.ndarray]:
+    return {
+        "max": np.maximum(general, own),
+        "mean": (general + own) / 2,
+        "general": general,
+        "class": own,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="a finished pipeline run directory (its features are read)")
+    parser.add_argument("--network", default=None, help="default: the config's deploy network")
+    args = parser.parse_args()
+    run = PipelineRun.open(args.run, progress=False)
+    name = args.network or run.config.deploy_model
+    data = run.samples(name)
+    _, is_fit, is_val = validation_cut(run, name)
+    fit, val = masker(is_fit), masker(is_val)
+    print(f"Seen analog ({name}), balanced accuracy at 0.5 (%), clean FPR / TPR in brackets:\n")
+    print("| attack | " + " | ".join(RULES) + " |")
+    print("|---" + "|---:" * len(RULES) + "|")
+    means: dict[str, list[float]] = {rule: [] for rule in RULES}
+    for key, attack in data.attacks.items():
+        attacked, held = fit(attack), val(attack)
+        pairs = fit(data.clean).take(np.isin(fit(data.clean).indices, attacked.indices))
+        sources = val(data.clean).take(np.isin(val(data.clean).indices, held.indices))
+        detector = TransportDetector(n_jobs=-1).fit_samples(pairs, attacked)
+        clean_scores = combined(*votes(detector, sources))
+        attack_scores = combined(*votes(detector, held))
+        cells = []
+        for rule in RULES:
+            fpr = float(np.mean(clean_scores[rule] > 0.5))
+            tpr = float(np.mean(attack_scores[rule] > 0.5))
+            means[rule].append(50 * (tpr + 1 - fpr))
+            cells.append(f"{means[rule][-1]:.2f} ({100 * fpr:.2f} / {100 * tpr:.2f})")
+        print(f"| {key} | " + " | ".join(cells) + " |", flush=True)
+    print("| mean | " + " | ".join(f"{np.mean(v):.2f}" for v in means.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
