@@ -168,13 +168,22 @@ def masker(mask: np.ndarray) -> Callable[[Samples], Samples]:
     return lambda samples: samples.take(mask[samples.indices])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_arguments(description: str) -> argparse.ArgumentParser:
+    """The training-side benchmarks' arguments: a finished run and one of its networks."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("run", help="a finished pipeline run directory (its features are read)")
     parser.add_argument("--network", default=None, help="default: the config's deploy network")
-    args = parser.parse_args()
+    return parser
+
+
+def open_run(args: argparse.Namespace) -> tuple[PipelineRun, str]:
+    """The run of :func:`run_arguments`' arguments and the network to measure."""
     run = PipelineRun.open(args.run, progress=False)
-    name = args.network or run.config.deploy_model
+    return run, args.network or run.config.deploy_model
+
+
+def main() -> None:
+    run, name = open_run(run_arguments(__doc__.splitlines()[0]).parse_args())
     unseen_table(run, name)
     deployed_table(run, name)
 

@@ -12,7 +12,6 @@ max, the mean, the general forest alone and the class forest alone -- one fit pe
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,10 +20,9 @@ import numpy as np
 from detector.base import vote_fraction
 from detector.forest import TransportDetector
 from training.experiments import Samples
-from training.pipeline import PipelineRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ensemble_parts import masker, validation_cut  # noqa: E402
+from ensemble_parts import masker, open_run, run_arguments, validation_cut  # noqa: E402
 
 RULES = ("max", "mean", "general", "class")
 
@@ -51,12 +49,7 @@ def combined(general: np.ndarray, own: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="a finished pipeline run directory (its features are read)")
-    parser.add_argument("--network", default=None, help="default: the config's deploy network")
-    args = parser.parse_args()
-    run = PipelineRun.open(args.run, progress=False)
-    name = args.network or run.config.deploy_model
+    run, name = open_run(run_arguments(__doc__.splitlines()[0]).parse_args())
     data = run.samples(name)
     _, is_fit, is_val = validation_cut(run, name)
     fit, val = masker(is_fit), masker(is_val)

@@ -19,7 +19,6 @@ Not shipped: a bundle would have to carry and run both networks (see benchmarks/
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +35,8 @@ from ensemble_parts import (  # noqa: E402
     UNSEEN_TRAIN,
     deployed_analog,
     masker,
+    open_run,
+    run_arguments,
     unseen_pairs,
     validation_cut,
 )
@@ -94,13 +95,10 @@ def unseen_accuracies(run: PipelineRun, name: str, sets: dict[str, Samples]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="a finished pipeline run directory (its features are read)")
-    parser.add_argument("--network", default=None, help="default: the config's deploy network")
+    parser = run_arguments(__doc__.splitlines()[0])
     parser.add_argument("--other", default=None, help="default: the run's other network")
     args = parser.parse_args()
-    run = PipelineRun.open(args.run, progress=False)
-    name = args.network or run.config.deploy_model
+    run, name = open_run(args)
     other_name = args.other or next(m for m in run.config.models if m != name)
     data = run.samples(name)
     base = {"clean": data.clean, **data.attacks}
