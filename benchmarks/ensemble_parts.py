@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from detector.base import Detector
 from detector.calibration import Calibration
 from detector.features import extract_features
 from detector.novelty import EnsembleDetector
@@ -67,7 +68,32 @@ def unseen_pairs(
     _, is_fit, _ = validation_cut(run, name)
     fit = masker(is_fit)
     attacked = fit(attacked)
-    return fit(clean).take(np.isin(fit(clean).indices, attacked.indices)), attacked
+    return sources(fit(clean), attacked), attacked
+
+
+def sources(clean: Samples, attacked: Samples) -> Samples:
+    """The rows of ``clean`` that are the source images of ``attacked``'s rows."""
+    return clean.take(np.isin(clean.indices, attacked.indices))
+
+
+def unseen_cells(detector: Detector, clean: Samples, attacks: list[Samples]) -> list[str]:
+    """Cells: ``clean``'s FPR at 0.5 (%), each attack's balanced accuracy against it, their mean."""
+    fpr = float(np.mean(detector.score_samples(clean) > 0.5))
+    accuracy = [
+        100 * (float(np.mean(detector.score_samples(rows) > 0.5)) + 1 - fpr) / 2 for rows in attacks
+    ]
+    return [f"{100 * fpr:.2f}", *(f"{a:.1f}" for a in accuracy), f"{np.mean(accuracy):.1f}"]
+
+
+def deployed_cells(
+    detector: Detector, threshold: float, clean: Samples, attacks: list[Samples]
+) -> list[str]:
+    """Cells: the threshold, ``clean``'s FPR (%), each attack's successful images flagged (%)."""
+    cells = [f"{threshold:.3f}", f"{100 * np.mean(detector.score_samples(clean) > threshold):.2f}"]
+    for rows in attacks:
+        flagged = detector.score_samples(rows)[np.asarray(rows.success, bool)] > threshold
+        cells.append(f"{100 * np.mean(flagged):.1f}")
+    return cells
 
 
 def unseen_table(run: PipelineRun, name: str) -> None:
@@ -84,13 +110,8 @@ def unseen_table(run: PipelineRun, name: str) -> None:
         detector = EnsembleDetector(tail=tail, margin_tail=margin_tail, n_jobs=-1)
         detector.fit_samples(clean, attacked, forests=forests)
         forests = detector.forests_  # the same forests for every row
-        fpr = float(np.mean(detector.score_samples(val(data.clean)) > 0.5))
-        accuracy = [
-            100 * (float(np.mean(detector.score_samples(val(data.attacks[k])) > 0.5)) + 1 - fpr) / 2
-            for k in others
-        ]
-        cells = [f"{tail:g}", f"{margin_tail:g}", f"{100 * fpr:.2f}"]
-        cells += [f"{a:.1f}" for a in accuracy] + [f"{np.mean(accuracy):.1f}"]
+        cells = [f"{tail:g}", f"{margin_tail:g}"]
+        cells += unseen_cells(detector, val(data.clean), [val(data.attacks[k]) for k in others])
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
@@ -129,10 +150,10 @@ def deployed_table(run: PipelineRun, name: str) -> None:
         def flagged(samples: Samples) -> np.ndarray:
             return detector.score_samples(samples) > threshold  # noqa: B023 (used in this loop)
 
-        cells = [label, f"{threshold:.3f}", f"{100 * np.mean(flagged(val(data.clean))):.2f}"]
-        for k in keys:
-            rows = val(data.attacks[k])
-            cells.append(f"{100 * np.mean(flagged(rows)[np.asarray(rows.success, bool)]):.1f}")
+        cells = [label]
+        cells += deployed_cells(
+            detector, threshold, val(data.clean), [val(data.attacks[k]) for k in keys]
+        )
         cells += [f"{100 * np.mean(flagged(s)):.1f}" for s in proxies.values()]
         cells.append(", ".join(f"{k} {100 * np.mean(flagged(s)):.1f}" for k, s in data.ood.items()))
         print("| " + " | ".join(cells) + " |", flush=True)

@@ -17,29 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
-from detector.base import vote_fraction
 from detector.forest import TransportDetector
-from training.experiments import Samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ensemble_parts import masker, open_run, run_arguments, validation_cut  # noqa: E402
+from ensemble_parts import masker, open_run, run_arguments, sources, validation_cut  # noqa: E402
 
 RULES = ("max", "mean", "general", "class")
 
 
-def votes(detector: TransportDetector, samples: Samples) -> tuple[np.ndarray, np.ndarray]:
-    """(general forest's, own class forest's) vote fractions; the general one for classes
-    without a forest of their own."""
-    general = vote_fraction(detector.forest_, samples.features)
-    own = general.copy()
-    for label, forest in detector.class_forests_.items():
-        rows = samples.predicted == label
-        if rows.any():
-            own[rows] = vote_fraction(forest, samples.features[rows])
-    return general, own
-
-
 def combined(general: np.ndarray, own: np.ndarray) -> dict[str, np.ndarray]:
+    """Each rule's score from the two forests' vote fractions."""
     return {
         "max": np.maximum(general, own),
         "mean": (general + own) / 2,
@@ -59,11 +46,12 @@ def main() -> None:
     means: dict[str, list[float]] = {rule: [] for rule in RULES}
     for key, attack in data.attacks.items():
         attacked, held = fit(attack), val(attack)
-        pairs = fit(data.clean).take(np.isin(fit(data.clean).indices, attacked.indices))
-        sources = val(data.clean).take(np.isin(val(data.clean).indices, held.indices))
-        detector = TransportDetector(n_jobs=-1).fit_samples(pairs, attacked)
-        clean_scores = combined(*votes(detector, sources))
-        attack_scores = combined(*votes(detector, held))
+        detector = TransportDetector(n_jobs=-1).fit_samples(
+            sources(fit(data.clean), attacked), attacked
+        )
+        clean_rows = sources(val(data.clean), held)
+        clean_scores = combined(*detector.votes(clean_rows.features, clean_rows.predicted))
+        attack_scores = combined(*detector.votes(held.features, held.predicted))
         cells = []
         for rule in RULES:
             fpr = float(np.mean(clean_scores[rule] > 0.5))

@@ -34,9 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402
     UNSEEN_TRAIN,
     deployed_analog,
+    deployed_cells,
     masker,
     open_run,
     run_arguments,
+    unseen_cells,
     unseen_pairs,
     validation_cut,
 )
@@ -67,31 +69,20 @@ def with_opinion(samples: Samples, columns: np.ndarray) -> Samples:
 
 
 def deployed_rates(run: PipelineRun, name: str, sets: dict[str, Samples]) -> list[str]:
-    """Cells: threshold, validation clean FPR, each attack's successful validation images
-    flagged (%), for the deployed recipe on ``sets`` ('clean' and the attack keys)."""
+    """:func:`deployed_cells` of the deployed recipe on ``sets`` ('clean' and the attack keys)."""
     attacks = {k: s for k, s in sets.items() if k != "clean"}
     detector, threshold = deployed_analog(run, name, sets["clean"], attacks)
     val = masker(validation_cut(run, name)[2])
-    cells = [f"{threshold:.3f}"]
-    cells.append(f"{100 * np.mean(detector.score_samples(val(sets['clean'])) > threshold):.2f}")
-    for rows in map(val, attacks.values()):
-        flagged = detector.score_samples(rows)[np.asarray(rows.success, bool)] > threshold
-        cells.append(f"{100 * np.mean(flagged):.1f}")
-    return cells
+    return deployed_cells(detector, threshold, val(sets["clean"]), [*map(val, attacks.values())])
 
 
 def unseen_accuracies(run: PipelineRun, name: str, sets: dict[str, Samples]) -> list[str]:
-    """Cells: validation clean FPR at 0.5, each other attack's balanced accuracy, their mean."""
+    """:func:`unseen_cells` of the ensemble fitted on ``UNSEEN_TRAIN`` only."""
     val = masker(validation_cut(run, name)[2])
     clean, attacked = unseen_pairs(run, name, sets["clean"], sets[UNSEEN_TRAIN])
     detector = EnsembleDetector(n_jobs=-1).fit_samples(clean, attacked)
-    fpr = float(np.mean(detector.score_samples(val(sets["clean"])) > 0.5))
-    others = [k for k in sets if k not in ("clean", UNSEEN_TRAIN)]
-    accuracy = [
-        100 * (float(np.mean(detector.score_samples(val(sets[k])) > 0.5)) + 1 - fpr) / 2
-        for k in others
-    ]
-    return [f"{100 * fpr:.2f}", *(f"{a:.1f}" for a in accuracy), f"{np.mean(accuracy):.1f}"]
+    others = [val(s) for k, s in sets.items() if k not in ("clean", UNSEEN_TRAIN)]
+    return unseen_cells(detector, val(sets["clean"]), others)
 
 
 def main() -> None:

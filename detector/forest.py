@@ -299,12 +299,26 @@ class TransportDetector(Detector):
             with torch.inference_mode():
                 scores = self.to_torch()(torch.from_numpy(x), torch.from_numpy(predicted))
             return scores.numpy().astype(np.float64)
-        scores = vote_fraction(self.forest_, x)
+        return np.maximum(*self.votes(x, predicted))
+
+    def votes(
+        self, features: np.ndarray, predicted_labels: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(general forest's, predicted class's forest's) fractions of trees voting abnormal,
+        the general forest's for classes without a forest of their own; :meth:`score` is their
+        max. Needs the fitted scikit-learn forests (a detector loaded from arrays only scores)."""
+        check_fitted(self)
+        if self.forest_ is None:
+            raise InputError("a transport detector loaded from arrays has no separate votes")
+        x = check_features(features, self.n_features_in_)
+        predicted = check_class_labels(predicted_labels, len(x))
+        general = vote_fraction(self.forest_, x)
+        own = general.copy()
         for c, forest in self.class_forests_.items():
             mask = predicted == c
             if mask.any():
-                scores[mask] = np.maximum(scores[mask], vote_fraction(forest, x[mask]))
-        return scores
+                own[mask] = vote_fraction(forest, x[mask])
+        return general, own
 
     def predict(self, features: np.ndarray, predicted_labels: np.ndarray) -> np.ndarray:
         """True where either forest's majority votes abnormal (score > 0.5)."""

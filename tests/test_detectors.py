@@ -40,6 +40,24 @@ def test_transport_detector_scores_abnormal_higher() -> None:
     np.testing.assert_array_equal(detector.predict(xt, pt), scores > 0.5)
 
 
+def test_votes_are_the_general_and_own_class_forests_and_score_is_their_max() -> None:
+    x, y, predicted = _separated(100, 2)
+    predicted[(predicted == 3) & (y == 1)] = 0  # class 3 gets no forest of its own
+    detector = TransportDetector(n_estimators=9, min_class_samples=10).fit(x, y, predicted)
+    xt, _, pt = _separated(100, 3)
+    general, own = detector.votes(xt, pt)
+    # Fully grown trees have pure leaves: their mean probability is the share of trees voting.
+    np.testing.assert_array_equal(general, detector.forest_.predict_proba(xt)[:, 1])
+    for label, forest in detector.class_forests_.items():
+        rows = pt == label
+        np.testing.assert_array_equal(own[rows], forest.predict_proba(xt[rows])[:, 1])
+    np.testing.assert_array_equal(own[pt == 3], general[pt == 3])
+    np.testing.assert_array_equal(detector.score(xt, pt), np.maximum(general, own))
+    arrays, params = detector.to_arrays()
+    with pytest.raises(InputError, match="loaded from arrays"):
+        TransportDetector.from_arrays(arrays, params).votes(xt, pt)
+
+
 def test_class_forests_only_where_both_labels_are_common_enough() -> None:
     x, y, predicted = _separated(100, 2)
     predicted[(predicted == 3) & (y == 1)] = 0  # class 3 has no abnormal samples
