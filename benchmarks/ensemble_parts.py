@@ -25,7 +25,6 @@ import numpy as np
 
 from detector.base import Detector
 from detector.calibration import Calibration
-from detector.features import extract_features
 from detector.novelty import EnsembleDetector
 from training.deployable import attack_family, equal_shares, with_family
 from training.experiments import Samples, Split
@@ -174,9 +173,7 @@ def ood_proxies(run: PipelineRun, name: str, clean: Samples) -> dict[str, Sample
     }
     proxies = {}
     for key, batch in images.items():
-        features, logits = extract_features(
-            run.model(name), batch, device=run.device, spec=run.feature_spec(name)
-        )
+        features, logits = run.extract(name, batch)
         proxies[key] = Samples(
             key, batch, features, logits.argmax(1), np.arange(len(batch)),
             feature_names=clean.feature_names,

@@ -12,7 +12,9 @@ never read); two tables, each without and with the columns:
    slice (the config's FPR target and confidence), successful validation images flagged;
 2. unseen analog: forests on FGM eps=0.1 only, balanced accuracy at the ensemble's decision 0.5.
 
-Not shipped: a bundle would have to carry and run both networks (see benchmarks/RESULTS.md).
+The columns are :mod:`detector.opinion`'s feature group (``FeatureSpec(second=True)``), which
+the pipeline's feature selection may pick; a run whose chosen set already holds them is measured
+here without them (they are dropped) and with them.
 
     .venv/bin/python benchmarks/second_opinion.py runs/quick
 """
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from detector.novelty import EnsembleDetector
+from detector.opinion import OPINION_NAMES, second_opinion
 from training.experiments import Samples
 from training.pipeline import PipelineRun
 
@@ -43,22 +46,27 @@ from ensemble_parts import (  # noqa: E402
     validation_cut,
 )
 
-OPINION_NAMES = ("second_agrees", "second_log_prob", "second_max_prob")
-
 
 def opinion(other: torch.nn.Module, samples: Samples, batch: int = 512) -> np.ndarray:
-    """[N, 3]: the other network agrees with ``samples.predicted``; log of its probability of
-    that class; its max probability."""
-    probs = []
+    """[N, 3]: :func:`detector.opinion.second_opinion` of ``samples`` (their predicted labels)."""
+    parts = []
+    predicted = torch.from_numpy(np.asarray(samples.predicted, np.int64))
     with torch.inference_mode():
         for start in range(0, len(samples), batch):
             x = torch.from_numpy(samples.images[start : start + batch])
-            probs.append(other(x).float().softmax(1))
-    p = torch.cat(probs)
-    predicted = torch.from_numpy(np.asarray(samples.predicted, np.int64))
-    own = p.gather(1, predicted[:, None])[:, 0]
-    agrees = (p.argmax(1) == predicted).float()
-    return torch.stack([agrees, torch.log(own + 1e-6), p.max(1).values], 1).numpy()
+            parts.append(second_opinion(other, x, predicted[start : start + batch]))
+    return torch.cat(parts).numpy() if parts else np.zeros((0, len(OPINION_NAMES)), np.float32)
+
+
+def without_opinion(samples: Samples) -> Samples:
+    """The samples without the opinion columns (when the run's chosen features hold them)."""
+    names = samples.feature_names or ()
+    keep = np.asarray([i for i, n in enumerate(names) if n not in OPINION_NAMES], np.int64)
+    if len(keep) == len(names):
+        return samples
+    return replace(
+        samples, features=samples.features[:, keep], feature_names=tuple(names[i] for i in keep)
+    )
 
 
 def with_opinion(samples: Samples, columns: np.ndarray) -> Samples:
@@ -90,9 +98,9 @@ def main() -> None:
     parser.add_argument("--other", default=None, help="default: the run's other network")
     args = parser.parse_args()
     run, name = open_run(args)
-    other_name = args.other or next(m for m in run.config.models if m != name)
+    other_name = args.other or run.config.second_network(name)
     data = run.samples(name)
-    base = {"clean": data.clean, **data.attacks}
+    base = {k: without_opinion(s) for k, s in {"clean": data.clean, **data.attacks}.items()}
     other = run.model(other_name)
     second = {k: with_opinion(s, opinion(other, s)) for k, s in base.items()}
     for k, s in second.items():

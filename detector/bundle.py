@@ -1,4 +1,5 @@
-"""The deployable bundle (DESIGN.md §6): manifest.json + model.safetensors + detector.safetensors.
+"""The deployable bundle (DESIGN.md §6): manifest.json + model.safetensors + detector.safetensors
+(+ second.safetensors when the features hold a second network's opinion, + explain.safetensors).
 
 The manifest (pydantic, no unknown keys) says what the network is, how inputs look, which
 detector with which parameters, the calibrated threshold, headline metrics and the sha256 of
@@ -45,6 +46,7 @@ from detector.taps import default_tap_names
 BUNDLE_FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DETECTOR_FILE = "detector.safetensors"
+SECOND_WEIGHTS_FILE = "second.safetensors"
 REQUIRED_FILES = (WEIGHTS_FILE, DETECTOR_FILE)
 
 
@@ -64,6 +66,7 @@ class DetectorSpec(BaseModel):
     start: bool = False
     image: bool = False
     squeeze: bool = False
+    second: bool = False
 
     @property
     def feature_spec(self) -> FeatureSpec:
@@ -102,6 +105,7 @@ class BundleManifest(BaseModel):
     class_names: list[str]
     input_spec: InputSpec
     network: NetworkConfig
+    second_network: NetworkConfig | None = None  # the opinion network (DetectorSpec.second)
     detector: DetectorSpec
     threshold: float
     target_fpr: float
@@ -139,7 +143,32 @@ class BundleManifest(BaseModel):
             )
         if self.explain is not None and EXPLAIN_FILE not in self.files:
             raise ValueError(f"explain is set but {EXPLAIN_FILE} is not listed in files")
+        self._consistent_second()
         return self
+
+    def _consistent_second(self) -> None:
+        """A second network exactly when the features need one, with the same classes and input."""
+        second = self.second_network
+        if self.detector.second and second is None:
+            raise ValueError(
+                "the detector's features hold a second network's opinion but "
+                "second_network is not set"
+            )
+        if second is None:
+            return
+        if not self.detector.second:
+            raise ValueError("second_network is set but the detector's features do not use it")
+        if SECOND_WEIGHTS_FILE not in self.files:
+            raise ValueError(
+                f"second_network is set but {SECOND_WEIGHTS_FILE} is not listed in files"
+            )
+        if second.class_names != self.class_names:
+            raise ValueError("the second network's class names differ from the network's")
+        if second.input_spec.shape != self.network.input_spec.shape:
+            raise ValueError(
+                f"the second network's input shape {second.input_spec.shape} differs from the "
+                f"network's {self.network.input_spec.shape}"
+            )
 
 
 @dataclass
@@ -152,6 +181,7 @@ class Bundle:
     detector: Detector
     band: CleanBand | None = None
     gallery: Gallery | None = None
+    second: ObservableResNet | None = None
 
 
 def detector_kind(detector: Detector) -> str:
@@ -182,13 +212,15 @@ def write_bundle(
     input_spec: InputSpec | None = None,
     band: CleanBand | None = None,
     gallery: Gallery | None = None,
+    second_network_dir: str | Path | None = None,
 ) -> Path:
     """Write a bundle directory from a saved network (``network_dir``) and a fitted detector.
 
     ``features`` must be the spec the detector's features were extracted with (default: the
     residues of the network's default taps); ``input_spec`` overrides the network's (e.g.
     ``resize="strict"``); ``band`` and ``gallery`` (optional) go to ``explain.safetensors`` for
-    ``/v1/explain`` and the page. Returns ``out_dir``.
+    ``/v1/explain`` and the page; ``second_network_dir`` is the saved second network of a spec
+    with ``second=True`` (its weights go to ``second.safetensors``). Returns ``out_dir``.
     """
     spec = features or FeatureSpec()
     network_dir = Path(network_dir)
@@ -206,12 +238,18 @@ def write_bundle(
             f"the detector was fitted on {params.get('n_features_in')} features but this network "
             f"gives {len(names)} ({len(tap_list)} blocks, features {spec.label()})"
         )
+    second_weights, second_config = _second_source(spec, second_network_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(weights, out / WEIGHTS_FILE)
     save_numpy({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(out / DETECTOR_FILE))
+    (out / SECOND_WEIGHTS_FILE).unlink(missing_ok=True)
+    files = list(REQUIRED_FILES)
+    if second_weights is not None:
+        shutil.copyfile(second_weights, out / SECOND_WEIGHTS_FILE)
+        files.append(SECOND_WEIGHTS_FILE)
     explain = _write_explain(out, band, gallery)
-    files = [*REQUIRED_FILES, EXPLAIN_FILE] if explain is not None else list(REQUIRED_FILES)
+    files += [EXPLAIN_FILE] if explain is not None else []
     manifest = BundleManifest(
         format_version=BUNDLE_FORMAT_VERSION,
         name=name,
@@ -221,6 +259,7 @@ def write_bundle(
         class_names=list(config.class_names),
         input_spec=input_spec or config.input_spec,
         network=config,
+        second_network=second_config,
         detector=DetectorSpec(
             kind=detector_kind(detector),
             params=params,
@@ -236,6 +275,24 @@ def write_bundle(
     )
     write_text(out / MANIFEST_FILE, manifest.model_dump_json(indent=2))
     return out
+
+
+def _second_source(
+    spec: FeatureSpec, network_dir: str | Path | None
+) -> tuple[Path | None, NetworkConfig | None]:
+    """(weights file, config) of the second network a spec needs; (None, None) when it needs none."""
+    if not spec.second:
+        if network_dir is not None:
+            raise ConfigError(
+                f"features {spec.label()} use no second network: drop second_network_dir"
+            )
+        return None, None
+    if network_dir is None:
+        raise ConfigError(f"features {spec.label()} need a second network: pass second_network_dir")
+    weights = Path(network_dir) / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ArtefactError(f"no weights at {weights}")
+    return weights, read_config(Path(network_dir))
 
 
 def _write_explain(
@@ -308,18 +365,29 @@ def read_manifest(path: str | Path) -> BundleManifest:
     return manifest
 
 
-def load_bundle(path: str | Path, *, device: str | torch.device = "cpu") -> Bundle:
-    """Verify and load a bundle: network (eval mode, on ``device``) and detector."""
-    root = Path(path)
-    manifest = read_manifest(root)
-    model = build_network(manifest.network)
+def _load_network(root: Path, config: NetworkConfig, file: str) -> ObservableResNet:
+    """The network of ``config`` with the weights of bundle file ``file`` (checksum verified)."""
+    model = build_network(config)
     try:
-        state = load_torch(str(root / WEIGHTS_FILE))
+        state = load_torch(str(root / file))
         model.load_state_dict(state, strict=True)
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         raise ArtefactError(
-            f"bundle file {WEIGHTS_FILE} does not hold this network's weights: {error}"
+            f"bundle file {file} does not hold this network's weights: {error}"
         ) from error
+    return model
+
+
+def load_bundle(path: str | Path, *, device: str | torch.device = "cpu") -> Bundle:
+    """Verify and load a bundle: network (eval mode, on ``device``), detector and, when the
+    features need it, the second network."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    model = _load_network(root, manifest.network, WEIGHTS_FILE)
+    second = None
+    if manifest.second_network is not None:
+        second = _load_network(root, manifest.second_network, SECOND_WEIGHTS_FILE)
+        second = second.to(resolve_device(device)).eval()
     try:
         arrays = load_numpy(str(root / DETECTOR_FILE))
     except (SafetensorError, OSError, ValueError) as error:
@@ -342,4 +410,5 @@ def load_bundle(path: str | Path, *, device: str | torch.device = "cpu") -> Bund
         detector=detector,
         band=band,
         gallery=gallery,
+        second=second,
     )

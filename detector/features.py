@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from detector.errors import ConfigError, InputError
 from detector.networks import resolve_device
+from detector.opinion import OPINION_NAMES, second_opinion
 from detector.squeeze import SQUEEZE_NAMES, squeeze_distances
 from detector.taps import ResidualTaps, Tap, Taps
 
@@ -61,10 +62,11 @@ def feature_names(
     start: bool = False,
     image: bool = False,
     squeeze: bool = False,
+    second: bool = False,
 ) -> list[str]:
     """Column names, block-major: msq_0, cos_0, msq_1, cos_1, ..., cos_{m}_dir{j}; then with
-    ``embeddings`` the same named emb_*; then line_shape; then the image_*, start_*, head and
-    squeeze_* columns."""
+    ``embeddings`` the same named emb_*; then line_shape; then the image_*, start_*, head,
+    squeeze_* and second_* columns."""
     names = _group_names("", n_blocks, extra_directions)
     if embeddings:
         names += _group_names("emb_", n_blocks, extra_directions)
@@ -78,6 +80,8 @@ def feature_names(
         names += HEAD_NAMES
     if squeeze:
         names += SQUEEZE_NAMES
+    if second:
+        names += OPINION_NAMES
     return names
 
 
@@ -86,8 +90,10 @@ class FeatureSpec:
     """How transport features are computed: which residual taps (None: the network's default
     ones), how many extra +-1 directions, and which groups are appended: the embeddings' statistics,
     the line-shape score, the input image's and the trajectory's start x_0's
-    :func:`spatial_statistics`, the head's (logit margin, max probability, log-sum-exp), and
-    how far the softmax moves under :mod:`detector.squeeze`'s squeezers (a forward pass each)."""
+    :func:`spatial_statistics`, the head's (logit margin, max probability, log-sum-exp), how
+    far the softmax moves under :mod:`detector.squeeze`'s squeezers (a forward pass each), and a
+    second network's opinion of the prediction (:mod:`detector.opinion`; the extractor needs
+    that network)."""
 
     taps: tuple[str, ...] | None = None
     extra_directions: int = 0
@@ -97,6 +103,7 @@ class FeatureSpec:
     start: bool = False
     image: bool = False
     squeeze: bool = False
+    second: bool = False
 
     def __post_init__(self) -> None:
         if self.taps is not None and not isinstance(self.taps, tuple):
@@ -115,10 +122,12 @@ class FeatureSpec:
             start=self.start,
             image=self.image,
             squeeze=self.squeeze,
+            second=self.second,
         )
 
     def label(self) -> str:
-        """'residues', then '+emb', '+dir4', '+line', '+image', '+start', '+head', '+squeeze'."""
+        """'residues', then '+emb', '+dir4', '+line', '+image', '+start', '+head', '+squeeze',
+        '+second'."""
         parts = ["residues"]
         parts += ["emb"] if self.embeddings else []
         parts += [f"dir{self.extra_directions}"] if self.extra_directions else []
@@ -127,6 +136,7 @@ class FeatureSpec:
         parts += ["start"] if self.start else []
         parts += ["head"] if self.head else []
         parts += ["squeeze"] if self.squeeze else []
+        parts += ["second"] if self.second else []
         return "+".join(parts)
 
 
@@ -173,9 +183,11 @@ class TransportFeatureExtractor:
         spec: FeatureSpec | None = None,
         *,
         value_range: tuple[float, float] | None = None,
+        second: nn.Module | None = None,
     ) -> None:
         self.model = model
         self.spec = spec or FeatureSpec()
+        self.second = _checked_second(model, self.spec, second)
         self.value_range = value_range or network_value_range(model)
         self.extra_directions = int(self.spec.extra_directions)
         self.line_shape = bool(self.spec.line_shape)
@@ -201,6 +213,12 @@ class TransportFeatureExtractor:
             transform=self._keep,
         )
         self._squeezed: torch.Tensor | None = None
+        # Second opinion: the pass's input and logits with their graph (an attacker's gradient).
+        self._opinion_source = Taps(
+            model,
+            [Tap("", "input"), Tap("", "output")] if self.spec.second else [],
+            transform=lambda value: value,
+        )
         self._hooked = False
         # Every forward pass of the model starts a new trajectory (line shape).
         self._pass_start = Taps(model, [Tap("", "input")], transform=self._new_pass)
@@ -241,6 +259,7 @@ class TransportFeatureExtractor:
             (self._image, self.spec.image),
             (self._start, self.spec.start),
             (self._squeeze_source, self.spec.squeeze),
+            (self._opinion_source, self.spec.second),
             (self._pass_start, self.line_shape),
         )
         for taps, on in wanted:
@@ -261,6 +280,7 @@ class TransportFeatureExtractor:
             self._start,
             self._head,
             self._squeeze_source,
+            self._opinion_source,
         )
 
     def _keep(self, value: torch.Tensor) -> torch.Tensor:
@@ -365,7 +385,24 @@ class TransportFeatureExtractor:
             parts.append(self._head.outputs[0])
         if self.spec.squeeze:
             parts.append(self.squeeze_columns())
+        if self.spec.second:
+            x, logits = self._opinion_source.outputs
+            parts.append(second_opinion(self.second, x, logits.argmax(1)))  # type: ignore[arg-type]
         return torch.cat(parts, dim=1)
+
+
+def _checked_second(
+    model: nn.Module, spec: FeatureSpec, second: nn.Module | None
+) -> nn.Module | None:
+    """The second network of a spec with the second-opinion group, or ConfigError."""
+    if spec.second and second is None:
+        raise ConfigError(
+            f"the feature set {spec.label()} holds a second network's opinion: pass that network "
+            "(second=...; a bundle carries it as second.safetensors)"
+        )
+    if second is not None and second is model:
+        raise ConfigError("the second network must be another network than the deployed one")
+    return second
 
 
 def _group_columns(per_tap: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -502,11 +539,13 @@ def extract_features(
     device: str | torch.device | None = None,
     spec: FeatureSpec | None = None,
     progress: bool = False,
+    second: nn.Module | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Transport features [N, F] and logits [N, K] (both float32) of images ``x`` [N, C, H, W].
 
     Runs in eval mode under ``torch.no_grad`` in batches on the model's device (``device``, when
-    given, moves the model there first). The model's train/eval mode is restored afterwards.
+    given, moves the model there first; ``second``, the second network of a spec with
+    ``second=True``, follows the model). The train/eval modes are restored afterwards.
     """
     x = check_images(x)
     if batch_size < 1:
@@ -514,15 +553,17 @@ def extract_features(
     if device is not None:
         model.to(resolve_device(device))
     target = model_device(model)
-    was_training = model.training
+    was_training = model.training, second.training if second is not None else False
     model.eval()
+    if second is not None:
+        second.to(target).eval()
     features: list[np.ndarray] = []
     logits: list[np.ndarray] = []
     starts = range(0, len(x), batch_size)
     try:
         with (
             torch.no_grad(),
-            TransportFeatureExtractor(model, spec) as fx,
+            TransportFeatureExtractor(model, spec, second=second) as fx,
         ):
             for start in tqdm(starts, desc="features", disable=not progress, leave=False):
                 batch = torch.from_numpy(x[start : start + batch_size]).to(target)
@@ -531,7 +572,9 @@ def extract_features(
                 features.append(fx.features().cpu().numpy())
             names = fx.feature_names
     finally:
-        model.train(was_training)
+        model.train(was_training[0])
+        if second is not None:
+            second.train(was_training[1])
     if not features:
         return np.zeros((0, len(names)), np.float32), np.zeros((0, 0), np.float32)
     return np.concatenate(features), np.concatenate(logits)

@@ -57,16 +57,18 @@ class Guard:
         batch_size: int = 256,
         band: CleanBand | None = None,
         gallery: Gallery | None = None,
+        second: nn.Module | None = None,
     ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
+        self.second = second.to(self.device).eval() if second is not None else None
         self.detector_module = detector_module.to(self.device).eval()
         self.input_spec = input_spec
         self.class_names = list(class_names)
         self.threshold = float(threshold)
         self.manifest = manifest
         self.batch_size = int(batch_size)
-        self._extractor = TransportFeatureExtractor(self.model, features)
+        self._extractor = TransportFeatureExtractor(self.model, features, second=self.second)
         self.feature_names = self._extractor.feature_names
         self.block_names = self._extractor.tap_names
         self.band = band  # the clean band per class (explanations), when the bundle has one
@@ -93,6 +95,7 @@ class Guard:
             manifest=manifest,
             band=bundle.band,
             gallery=bundle.gallery,
+            second=bundle.second,
         )
 
     @classmethod
@@ -106,10 +109,12 @@ class Guard:
         device: str | torch.device = "auto",
         input_spec: InputSpec | None = None,
         class_names: Sequence[str] | None = None,
+        second: str | Path | nn.Module | None = None,
     ) -> Guard:
         """Build from in-memory objects (evaluation): a saved network directory or a model, a
         fitted detector, and a calibration (or a bare threshold). ``input_spec``/``class_names``
-        default to the network's config (our networks carry one)."""
+        default to the network's config (our networks carry one); ``second`` (a directory or a
+        model) is the second network of features with ``second=True``."""
         model = load(network) if isinstance(network, (str, Path)) else network
         config = getattr(model, "config", None)
         spec = input_spec or (config.input_spec if config is not None else None)
@@ -127,6 +132,7 @@ class Guard:
             threshold=threshold,
             features=features,
             device=device,
+            second=load(second) if isinstance(second, (str, Path)) else second,
         )
 
     # ---------------------------------------------------------------------------------------

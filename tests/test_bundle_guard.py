@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -10,9 +11,15 @@ import pytest
 import torch
 
 from detector import networks
-from detector.bundle import DETECTOR_FILE, MANIFEST_FILE, load_bundle, write_bundle
+from detector.bundle import (
+    DETECTOR_FILE,
+    MANIFEST_FILE,
+    SECOND_WEIGHTS_FILE,
+    load_bundle,
+    write_bundle,
+)
 from detector.calibration import Calibration
-from detector.errors import ArtefactError, InputError
+from detector.errors import ArtefactError, ConfigError, InputError
 from detector.features import FeatureSpec, extract_features
 from detector.forest import TransportDetector
 from detector.guard import Guard
@@ -291,3 +298,115 @@ def test_prepare_of_a_stack_equals_image_by_image(guard: Guard, layout: str, dty
         bad = stack.astype(np.float32) / (255 if dtype == "uint8" else 1)
         bad[2] = np.nan
         guard.prepare(bad)
+
+
+# ---- a second network's opinion (detector.opinion): the bundle carries and the Guard runs both ---
+OPINION_SPEC = FeatureSpec(head=True, second=True)
+
+
+@pytest.fixture
+def second_bundle(tmp_path: Path, run: dict) -> dict:
+    """A quantile bundle on features holding a second network's opinion."""
+    second = copy.deepcopy(run["model"])
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+    second_dir = networks.save(second.eval(), tmp_path / "second")
+    clean, _ = extract_features(
+        run["model"], _images(80, 6, False), spec=OPINION_SPEC, second=second
+    )
+    detector = QuantileDetector(fpr=0.1).fit(clean, feature_names=OPINION_SPEC.names(2))
+    calibration = Calibration.from_scores(detector.score(clean), 0.1)
+    out = write_bundle(
+        tmp_path / "two",
+        network_dir=run["network_dir"],
+        detector=detector,
+        calibration=calibration,
+        name="two",
+        dataset="d",
+        features=OPINION_SPEC,
+        second_network_dir=second_dir,
+    )
+    return {"dir": out, "second": second, "second_dir": second_dir, "detector": detector}
+
+
+def test_second_opinion_bundle_carries_both_networks_and_scores_like_the_detector(
+    second_bundle: dict, run: dict
+) -> None:
+    out = second_bundle["dir"]
+    assert SECOND_WEIGHTS_FILE in {p.name for p in out.iterdir()}
+    bundle = load_bundle(out)
+    assert bundle.manifest.second_network is not None and bundle.manifest.detector.second
+    for a, b in zip(
+        bundle.second.state_dict().values(),  # type: ignore[union-attr]
+        second_bundle["second"].state_dict().values(),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    x = np.concatenate([_images(10, 7, True), _images(10, 8, False)])
+    features, _ = extract_features(
+        run["model"], x, spec=OPINION_SPEC, second=second_bundle["second"]
+    )
+    expected = second_bundle["detector"].score(features)
+    served = Guard.from_bundle(out, device="cpu").predict(x).scores
+    np.testing.assert_allclose(served, expected, atol=1e-5)
+    in_memory = Guard.from_run(
+        run["network_dir"],
+        second_bundle["detector"],
+        1.0,
+        features=OPINION_SPEC,
+        second=second_bundle["second_dir"],
+    )
+    np.testing.assert_allclose(in_memory.predict(x).scores, expected, atol=1e-5)
+
+
+def test_second_network_is_required_exactly_when_the_features_use_it(
+    tmp_path: Path, second_bundle: dict, run: dict
+) -> None:
+    common = {
+        "network_dir": run["network_dir"],
+        "detector": second_bundle["detector"],
+        "calibration": Calibration.from_scores(np.zeros(10), 0.1),
+        "name": "x",
+        "dataset": "d",
+    }
+    with pytest.raises(ConfigError, match="need a second network: pass second_network_dir"):
+        write_bundle(tmp_path / "a", features=OPINION_SPEC, **common)
+    with pytest.raises(ConfigError, match="use no second network"):
+        write_bundle(
+            tmp_path / "b",
+            features=FeatureSpec(),
+            second_network_dir=second_bundle["second_dir"],
+            **{**common, "detector": run["detector"]},
+        )
+    with pytest.raises(ConfigError, match="holds a second network's opinion"):
+        Guard.from_run(run["model"], second_bundle["detector"], 1.0, features=OPINION_SPEC)
+
+
+def test_tampered_second_network_is_refused_by_name(second_bundle: dict) -> None:
+    _flip_byte(second_bundle["dir"] / SECOND_WEIGHTS_FILE)
+    with pytest.raises(
+        ArtefactError, match=f"checksum mismatch for bundle file {SECOND_WEIGHTS_FILE}"
+    ):
+        Guard.from_bundle(second_bundle["dir"], device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m.pop("second_network"), "second_network is not set"),
+        (lambda m: m["files"].pop(SECOND_WEIGHTS_FILE), f"{SECOND_WEIGHTS_FILE} is not listed"),
+        (
+            lambda m: m["second_network"].update(class_names=list("abcdefghij")),
+            "second network's class names differ",
+        ),
+        (lambda m: m["detector"].update(second=False), "do not use it"),
+    ],
+)
+def test_inconsistent_second_network_manifest_is_refused(
+    second_bundle: dict, edit, message: str
+) -> None:
+    _edit_manifest(second_bundle["dir"], edit)
+    with pytest.raises(ArtefactError, match=message):
+        load_bundle(second_bundle["dir"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -19,6 +20,7 @@ from detector.features import (
     sign_directions,
     spatial_statistics,
 )
+from detector.opinion import OPINION_NAMES
 from detector.taps import Tap, Taps
 
 
@@ -233,3 +235,60 @@ def test_taps_record_inputs_and_outputs_and_leave_no_hook(tiny_network: torch.nn
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in tiny_network.modules())
     with pytest.raises(ConfigError, match="tap modules not found"):
         Taps(tiny_network, ["blocks.9"])
+
+
+@pytest.fixture
+def second_network(tiny_network: torch.nn.Module) -> torch.nn.Module:
+    """Another network: ``tiny_network`` with seeded noise on every weight (so the two agree on
+    some images and not on others)."""
+    other = copy.deepcopy(tiny_network)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+    return other.eval()
+
+
+def test_second_opinion_group_is_the_other_networks_reading_of_the_prediction(
+    tiny_network: torch.nn.Module, second_network: torch.nn.Module
+) -> None:
+    """The three columns: the second network's top class is the first's prediction, the log of
+    its probability of that class, its max probability; after every other group."""
+    x = np.random.default_rng(4).random((12, 1, 28, 28), dtype=np.float32)
+    spec = FeatureSpec(head=True, second=True)
+    features, logits = extract_features(tiny_network, x, spec=spec, second=second_network)
+    assert spec.names(2)[-4:] == ["head_logsumexp", *OPINION_NAMES]
+    assert spec.label() == "residues+head+second"
+    with torch.no_grad():
+        p = second_network(torch.from_numpy(x)).softmax(1).numpy()
+    predicted = logits.argmax(1)
+    expected = np.stack(
+        [p.argmax(1) == predicted, np.log(p[np.arange(12), predicted] + 1e-6), p.max(1)], 1
+    )
+    np.testing.assert_allclose(features[:, -3:], expected, rtol=1e-5, atol=1e-6)
+    assert 0 < features[:, -3].sum() < 12  # two untrained networks agree on some images only
+    without, _ = extract_features(tiny_network, x, spec=FeatureSpec(head=True))
+    np.testing.assert_allclose(features[:, :-3], without, rtol=1e-5, atol=1e-6)
+
+
+def test_second_opinion_keeps_the_graph_through_the_second_network(
+    tiny_network: torch.nn.Module, second_network: torch.nn.Module
+) -> None:
+    """An adaptive attacker's gradient of the opinion columns reaches the input through the
+    second network."""
+    x = torch.rand(3, 1, 28, 28, requires_grad=True)
+    with TransportFeatureExtractor(
+        tiny_network, FeatureSpec(second=True), second=second_network
+    ) as fx:
+        tiny_network(x)
+        log_prob = fx.features()[:, -2].sum()
+    (gradient,) = torch.autograd.grad(log_prob, x)
+    assert gradient.abs().sum() > 0
+
+
+def test_second_opinion_needs_another_network(tiny_network: torch.nn.Module) -> None:
+    spec = FeatureSpec(second=True)
+    with pytest.raises(ConfigError, match="holds a second network's opinion: pass that network"):
+        TransportFeatureExtractor(tiny_network, spec)
+    with pytest.raises(ConfigError, match="another network than the deployed one"):
+        TransportFeatureExtractor(tiny_network, spec, second=tiny_network)

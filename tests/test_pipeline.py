@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from detector.guard import Guard
+from detector.metrics import auroc
 from tests.conftest import run_smoke_pipeline
 from training.cli import main as cli_main
 
@@ -200,9 +201,14 @@ def test_evaluation_score_command_and_server_give_identical_scores(
     info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
     manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
     with np.load(smoke_run / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
-        evaluated = saved["fgm-eps0.1"]
+        evaluated, clean = saved["fgm-eps0.1"], saved["clean"]
+    # The smoke detector separates FGM from clean (threshold-free: its 40-image calibration
+    # moves the flag rate by several points from one feature set to the next).
+    assert (
+        auroc(np.r_[np.zeros(len(clean)), np.ones(len(evaluated))], np.r_[clean, evaluated]) > 0.8
+    )
     rate = manifest["metrics"]["heldout_flag_rate_fgm-eps0.1"]
-    assert rate == info["heldout"]["flag_rate"]["fgm-eps0.1"] > 4 * info["heldout"]["fpr"]
+    assert rate == info["heldout"]["flag_rate"]["fgm-eps0.1"] > 2 * info["heldout"]["fpr"]
     assert rate == np.mean(evaluated > manifest["threshold"])
     held_out = _held_out(smoke_run, info, data_root, "fgm", {"eps": 0.1}, 600)
     assert len(held_out) == len(evaluated) == info["heldout"]["n"]["fgm-eps0.1"]
@@ -283,7 +289,7 @@ def test_shipped_rates_cover_ood_and_successful_images_and_the_server_reproduces
     info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
     manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
     selection = json.loads((smoke_run / "features" / "lap" / "selection.json").read_text())
-    chosen = {"residues": False, "residues+head": True}[selection["chosen"]]
+    chosen = {"residues+second": False, "residues+head+second": True}[selection["chosen"]]
     assert manifest["detector"]["kind"] == info["kind"] == "ensemble"
     assert manifest["detector"]["head"] is chosen is info["features"]["head"]
     metrics = manifest["metrics"]

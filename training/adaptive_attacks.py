@@ -80,8 +80,10 @@ class Attacker:
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, transport features) of ``x`` with their autograd graph: one forward pass
-        through the same taps the detector reads."""
-        with TransportFeatureExtractor(self.model, self.target.features) as fx:
+        through the same taps the detector reads (and through the second network, when the
+        features hold its opinion)."""
+        second = self.target.guard.second
+        with TransportFeatureExtractor(self.model, self.target.features, second=second) as fx:
             logits = self.model(x)
             return logits, fx.features()
 

@@ -135,7 +135,7 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
     out = target_dir(run, name, spec)
     config, data = run.config, run.samples(name)
     features = run.feature_spec(name)
-    model = run.model(name)
+    model, second = run.model(name), run.second_model(name, features)
     split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
     saved = out / TARGET_FILE
     if saved.is_file():
@@ -153,7 +153,9 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
                 [_member_training(a, k, spec.members) for a in attacked], seed=SPLIT_SEED + k
             )
             detector.fit_samples(clean, abnormal)
-            guard = Guard.from_run(model, detector, np.inf, features=features, device=run.device)
+            guard = Guard.from_run(
+                model, detector, np.inf, features=features, device=run.device, second=second
+            )
             scores = guard.predict(split.calibration(data.clean).images).scores
             calibrations.append(
                 Calibration.from_scores(scores.astype(np.float64), config.target_fpr)
@@ -169,7 +171,9 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
                 "split_seed": SPLIT_SEED,
             },
         )
-    return assemble_target(model, spec, detectors, calibrations, features, device=run.device)
+    return assemble_target(
+        model, spec, detectors, calibrations, features, device=run.device, second=second
+    )
 
 
 def assemble_target(
@@ -180,15 +184,17 @@ def assemble_target(
     features: FeatureSpec | None = None,
     *,
     device: str | torch.device = "cpu",
+    second: nn.Module | None = None,
 ) -> Target:
-    """The Guard of fitted ``detectors`` with their ``calibrations`` on ``model``: the detector
-    and its threshold for one member, the random :class:`DetectorPool` (threshold 0) otherwise."""
+    """The Guard of fitted ``detectors`` with their ``calibrations`` on ``model`` (and the
+    ``second`` network of features that hold its opinion): the detector and its threshold for
+    one member, the random :class:`DetectorPool` (threshold 0) otherwise."""
     features = features or FeatureSpec()
     if len(detectors) != spec.members or len(calibrations) != spec.members:
         raise InputError(f"target {spec.label} needs {spec.members} detectors and calibrations")
     if spec.members == 1:
         guard = Guard.from_run(
-            model, detectors[0], calibrations[0], features=features, device=device
+            model, detectors[0], calibrations[0], features=features, device=device, second=second
         )
     else:
         pool = DetectorPool([d.to_torch() for d in detectors], [c.threshold for c in calibrations])
@@ -201,5 +207,6 @@ def assemble_target(
             threshold=0.0,
             features=features,
             device=device,
+            second=second,
         )
     return Target(spec, guard, detectors, calibrations, features)

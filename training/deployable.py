@@ -62,7 +62,14 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
     abnormal = equal_shares(deploy_parts(config, data.attacks, split), seed=SPLIT_SEED)
     fitted = on_all_cores(get_detector(detector)).fit_samples(split.train(data.clean), abnormal)
     spec = run.feature_spec(name)
-    guard = Guard.from_run(run.model(name), fitted, np.inf, features=spec, device=run.device)
+    guard = Guard.from_run(
+        run.model(name),
+        fitted,
+        np.inf,
+        features=spec,
+        device=run.device,
+        second=run.second_model(name, spec),
+    )
     calibration = Calibration.from_scores(
         _guard_scores(guard, split.calibration(data.clean)).astype(np.float64),
         config.target_fpr,
@@ -234,6 +241,8 @@ def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
     config = read_pipeline_config(run)
     detector, calibration, info = load_deployable(run)
     band, gallery = explain_assets(run, info)
+    features = FeatureSpec(**info.get("features", {}))
+    second = config.second_network(info["network"]) if features.second else None
     return write_bundle(
         out or RunDir(run).bundle,
         network_dir=RunDir(run).model(info["network"]),
@@ -242,7 +251,8 @@ def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
         name=f"lapguard-{config.name}-{info['network']}",
         dataset=config.dataset,
         metrics=bundle_metrics(run, info),
-        features=FeatureSpec(**info.get("features", {})),
+        features=features,
         band=band,
         gallery=gallery,
+        second_network_dir=RunDir(run).model(second) if second else None,
     )

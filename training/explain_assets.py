@@ -27,7 +27,8 @@ def explain_assets(
     name = info["network"]
     model = pipeline.model(name)
     data = pipeline.samples(name)
-    n_blocks = TransportFeatureExtractor(model, FeatureSpec(**info.get("features", {}))).n_blocks
+    taps = FeatureSpec(**info.get("features", {})).taps
+    n_blocks = TransportFeatureExtractor(model, FeatureSpec(taps=taps)).n_blocks
     split = Split(info["split_seed"], info["test_fraction"], int(data.clean.indices.max()) + 1)
     clean = split.train(data.clean)
     class_names = list(model.config.class_names)  # type: ignore[union-attr]

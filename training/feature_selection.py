@@ -42,6 +42,7 @@ def union_spec(candidates: Sequence[FeatureSpec]) -> FeatureSpec:
         start=any(c.start for c in candidates),
         image=any(c.image for c in candidates),
         squeeze=any(c.squeeze for c in candidates),
+        second=any(c.second for c in candidates),
     )
 
 

@@ -113,6 +113,27 @@ class PipelineRun:
             self._models[name] = networks.load(self.dir.model(name), device=self.device)
         return self._models[name]
 
+    def second_model(self, name: str, spec: FeatureSpec | None = None) -> torch.nn.Module | None:
+        """The second network of ``name``'s features (``spec``, default the union of the
+        candidates) when they hold its opinion, else None."""
+        if not (spec or self.union).second:
+            return None
+        return self.model(self.config.second_network(name))
+
+    def extract(
+        self, name: str, images: np.ndarray, spec: FeatureSpec | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`~detector.features.extract_features` of network ``name`` with ``spec`` (default:
+        the one chosen for it), with the second network when the spec needs one."""
+        spec = spec or self.feature_spec(name)
+        return extract_features(
+            self.model(name),
+            images,
+            device=self.device,
+            spec=spec,
+            second=self.second_model(name, spec),
+        )
+
     def test_images(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(images, labels, source indices) of the test images every attack of ``name`` uses."""
         if name not in self._images:
@@ -163,7 +184,8 @@ class PipelineRun:
         return self._samples[name]
 
     def _blocks(self, name: str) -> int:
-        return TransportFeatureExtractor(self.model(name), self.union).n_blocks
+        residues = FeatureSpec(taps=self.union.taps)  # the blocks alone: no second network needed
+        return TransportFeatureExtractor(self.model(name), residues).n_blocks
 
     def feature_spec(self, name: str, full: NetworkSamples | None = None) -> FeatureSpec:
         """The feature set network ``name``'s detectors use: the only candidate, or the one the
@@ -208,8 +230,7 @@ class PipelineRun:
     ) -> tuple[np.ndarray, np.ndarray, float]:
         """(features, predicted labels, seconds) of ``images``, cached under the ``source`` key."""
         path = self.dir.features(name, set_name)
-        model = self.model(name)
-        names = TransportFeatureExtractor(model, self.union).feature_names
+        names = self.union.names(self._blocks(name))
         if path.is_file():
             cached = artefacts.load_npz(path)
             if (
@@ -219,7 +240,7 @@ class PipelineRun:
             ):
                 return cached["features"], cached["logits"].argmax(1), float(cached["seconds"])
         started = time.perf_counter()
-        features, logits = extract_features(model, images, device=self.device, spec=self.union)
+        features, logits = self.extract(name, images, self.union)
         seconds = time.perf_counter() - started
         artefacts.save_npz(
             path,
@@ -324,9 +345,7 @@ def _noisy_copies(run: PipelineRun, name: str, eps: float = 0.1) -> Samples:
     images = np.clip(
         clean.images + rng.uniform(-eps, eps, clean.images.shape).astype(np.float32), 0, 1
     )
-    features, logits = extract_features(
-        run.model(name), images, device=run.device, spec=run.feature_spec(name)
-    )
+    features, logits = run.extract(name, images)
     return Samples("noise", images, features, logits.argmax(1), clean.indices)
 
 
@@ -336,7 +355,7 @@ def _feature_timing(
     """Transport vs Mahalanobis feature-extraction time on the same images (seed §5.4.6)."""
     model, images = run.model(name), run.samples(name).clean.images[:n]
     started = time.perf_counter()
-    extract_features(model, images, device=run.device, spec=run.feature_spec(name))
+    run.extract(name, images)
     timings = {
         "timing_images": float(len(images)),
         "transport_feature_seconds": time.perf_counter() - started,

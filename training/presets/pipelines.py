@@ -29,6 +29,7 @@ class FeatureOptions(BaseModel):
     start: bool = False
     image: bool = False
     squeeze: bool = False
+    second: bool = False  # the run's other network's opinion (detector.opinion)
 
     def spec(self) -> FeatureSpec:
         return FeatureSpec(**self.model_dump())
@@ -38,8 +39,10 @@ class FeatureOptions(BaseModel):
 # trajectory's start x_0 (how its energy spreads over the image); + extra directions and the
 # line-shape score; each of the last three also with the input image's own spread (where a small
 # L-inf perturbation shows before the stem smooths it); two of those also with how far the softmax
-# moves when the input is squeezed (five more forward passes, detector.squeeze). The pipeline picks
-# one on the training side.
+# moves when the input is squeezed (five more forward passes, detector.squeeze); the last two also
+# with the run's other network's opinion of the prediction (one more forward pass of that network,
+# detector.opinion: a minimal perturbation made for one network rarely fools the other). The
+# pipeline picks one on the training side.
 FEATURE_CANDIDATES = [
     FeatureOptions(),
     FeatureOptions(head=True),
@@ -54,6 +57,8 @@ FEATURE_CANDIDATES = [
     ),
     FeatureOptions(image=True, start=True, head=True, squeeze=True),
     FeatureOptions(embeddings=True, image=True, start=True, head=True, squeeze=True),
+    FeatureOptions(image=True, start=True, head=True, second=True),
+    FeatureOptions(image=True, start=True, head=True, squeeze=True, second=True),
 ]
 
 
@@ -145,7 +150,20 @@ class PipelineConfig(BaseModel):
             raise ValueError(
                 f"deploy_model {self.deploy_model!r} is not one of the networks {list(self.models)}"
             )
+        if any(c.second for c in self.feature_candidates) and len(self.models) < 2:
+            raise ValueError(
+                "a feature candidate with second=True needs a second network in models; "
+                f"this config has only {list(self.models)}"
+            )
         return self
+
+    def second_network(self, name: str) -> str:
+        """The network whose opinion network ``name``'s second-opinion features hold: the
+        config's first other network."""
+        others = [m for m in self.models if m != name]
+        if not others:
+            raise ValueError(f"network {name!r} has no second network in {list(self.models)}")
+        return others[0]
 
     @property
     def seen_keys(self) -> list[str]:
@@ -275,7 +293,9 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         attacks=[AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=600)],
         detectors=["transport", "ensemble", "mahalanobis", "quantile"],
         ood_train=["fgm-eps0.1"],
-        feature_candidates=[FeatureOptions(), FeatureOptions(head=True)],
+        # Both candidates hold the other network's opinion, so every smoke bundle carries two
+        # networks and the end-to-end tests serve the second one.
+        feature_candidates=[FeatureOptions(second=True), FeatureOptions(head=True, second=True)],
         selection_detector="ensemble",
         deploy_detector="ensemble",
         ood_n=200,
