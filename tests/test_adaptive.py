@@ -213,3 +213,38 @@ def test_rows_are_collected_from_the_run_directory(tmp_path) -> None:
     for target in ("transport", "transport-pool5"):
         write_json(run.adaptive("lap") / target / "surrogate-pgd-abc" / "row.json", {"t": target})
     assert [r["t"] for r in collect_rows(run)] == ["transport", "transport-pool5"]
+
+
+def test_an_attacker_of_a_second_opinion_target_reads_and_differentiates_both_networks(
+    network: torch.nn.Module,
+) -> None:
+    """With features holding a second network's opinion, the target's Guard runs both networks
+    and the attacker's forward pass gives the very features the Guard scores, with a gradient
+    that reaches the input through the second network."""
+    import copy
+
+    from detector.features import FeatureSpec
+    from detector.quantile import QuantileDetector
+
+    second = copy.deepcopy(network)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+    spec = FeatureSpec(head=True, second=True)
+    x = synthetic_images(40, seed=3)
+    features, logits = extract_features(network, x, spec=spec, second=second)
+    detector = QuantileDetector(fpr=0.1).fit(features, feature_names=spec.names(2))
+    calibration = Calibration.from_scores(detector.score(features), 0.1)
+    target = assemble_target(network, TargetSpec(), [detector], [calibration], spec, second=second)
+    assert target.guard.second is second
+    attacker = Attacker(network, target, x, features, logits.argmax(1))
+    seen, predicted = attacker.features(x[:6])
+    np.testing.assert_allclose(seen, features[:6], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        target.guard.predict(x[:6]).scores, detector.score(seen, predicted), atol=1e-6
+    )
+    images = torch.from_numpy(x[:6]).requires_grad_(True)
+    _, graph = attacker.forward(images)
+    (gradient,) = torch.autograd.grad(graph[:, -2].sum(), images)  # second_log_prob
+    assert gradient.abs().sum() > 0
