@@ -61,6 +61,14 @@ def test_results_json_follows_the_design_contract(smoke_run) -> None:
 def test_report_and_figures(smoke_run) -> None:
     report = (smoke_run / "report.md").read_text()
     assert "LAP TR" in report and "VAN TR" in report and "FGM ε=0.1" in report
+    # The feature-set table: every candidate's training-side score, the chosen one marked.
+    selection = json.loads((smoke_run / "features" / "lap" / "selection.json").read_text())
+    section = report.split("## Feature sets, chosen on the training side")[1].split("\n## ")[0]
+    lap_table = section.split("**LAP**")[1]
+    chosen = next(r for r in selection["rows"] if r["features"] == selection["chosen"])
+    assert f"| {chosen['features']} (chosen) " in lap_table
+    assert f"**{100 * chosen['mean']:.2f}**" in lap_table
+    assert all(f"| {r['features']} " in lap_table for r in selection["rows"])
     for link in [
         line.split("](")[1].split(")")[0] for line in report.splitlines() if "](figures/" in line
     ]:

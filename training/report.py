@@ -950,6 +950,7 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
 def write_report(run_dir: Path) -> Path:
     """Write RUN/report.md and RUN/figures/*.png from the run's results, features and scores; return report.md."""
     from training.adaptive_report import adaptive_section  # it reads this module's helpers
+    from training.selection_report import feature_selection_section  # likewise
 
     run = RunDir(run_dir)
     run_dir, results_path = run.path, run.results_file
@@ -973,6 +974,7 @@ def write_report(run_dir: Path) -> Path:
         *header_section(config, results),
         *models_section(run_dir, results, models),
         *attacks_section(results, models),
+        *feature_selection_section(run_dir, models),
         *summary_section(detection, ood, rows),
         *seen_section([r for r in detection if r["setting"] == "seen"], rows),
         *unseen_section([r for r in detection if r["setting"] == "unseen"], rows),
