@@ -246,7 +246,8 @@ def _bundle_share(bundle: Path, images: np.ndarray, repeats: int, device: torch.
         f"{t['detector'][0] * 1e3:.1f} ms: share wall {100 * t['detector'][0] / t['guard'][0]:.1f}%, "
         f"CPU {100 * t['detector'][1] / t['guard'][1]:.1f}% (target <= 10%); the network's plain "
         f"forward {t['plain'][0] * 1e3:.1f} ms: Guard / plain forward {_ratio(t, 'guard', 'plain')} "
-        "(every feature group, the squeeze group's extra passes included, and the detector)"
+        "(every feature group, the squeeze group's extra passes and the second network's pass "
+        "included, and the detector)"
     )
 
 
