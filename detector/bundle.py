@@ -41,7 +41,6 @@ from detector.networks import (
     resolve_device,
 )
 from detector.registry import detector_class, detector_name, list_detectors
-from detector.taps import default_tap_names
 
 BUNDLE_FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -228,9 +227,7 @@ def write_bundle(
     weights = network_dir / WEIGHTS_FILE
     if not weights.is_file():
         raise ArtefactError(f"no weights at {weights}")
-    tap_list = (
-        list(spec.taps) if spec.taps is not None else default_tap_names(build_network(config))
-    )
+    tap_list = spec.tap_names(build_network(config))
     names = spec.names(len(tap_list))
     arrays, params = detector.to_arrays()
     if params.get("n_features_in") != len(names):
@@ -395,7 +392,7 @@ def load_bundle(path: str | Path, *, device: str | torch.device = "cpu") -> Bund
     spec = manifest.detector
     detector = detector_class(spec.kind).from_arrays(arrays, spec.params)
     n_features = spec.params.get("n_features_in")
-    n_blocks = len(spec.taps) if spec.taps is not None else len(default_tap_names(model))
+    n_blocks = len(spec.feature_spec.tap_names(model))
     expected = spec.feature_spec.names(n_blocks)
     if n_features != len(expected) or spec.feature_names != expected:
         raise ArtefactError(

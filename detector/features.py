@@ -30,7 +30,7 @@ from detector.errors import ConfigError, InputError
 from detector.networks import resolve_device
 from detector.opinion import OPINION_NAMES, second_opinion
 from detector.squeeze import SQUEEZE_NAMES, squeeze_distances
-from detector.taps import ResidualTaps, Tap, Taps
+from detector.taps import ResidualTaps, Tap, Taps, default_tap_names
 
 DIRECTION_SEED = 20240601
 LINE_SHAPE = "line_shape"
@@ -110,6 +110,10 @@ class FeatureSpec:
             object.__setattr__(self, "taps", tuple(self.taps))
         if self.extra_directions < 0:
             raise InputError(f"extra_directions must be >= 0, got {self.extra_directions}")
+
+    def tap_names(self, model: nn.Module) -> list[str]:
+        """The residual taps these features read on ``model`` (its default ones when None)."""
+        return list(self.taps) if self.taps is not None else default_tap_names(model)
 
     def names(self, n_blocks: int) -> list[str]:
         """Column names of the features of a network with ``n_blocks`` taps."""

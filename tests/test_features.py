@@ -212,9 +212,11 @@ def test_bad_inputs_are_refused(tiny_network: torch.nn.Module) -> None:
         check_features(np.zeros((2, 6)), 4)
 
 
-def test_feature_spec_is_typed_and_names_its_columns() -> None:
+def test_feature_spec_is_typed_and_names_its_columns(tiny_network: torch.nn.Module) -> None:
     spec = FeatureSpec(taps=["blocks.0.residual"], extra_directions=1, line_shape=True)  # type: ignore[arg-type]
     assert spec.taps == ("blocks.0.residual",)
+    assert spec.tap_names(tiny_network) == ["blocks.0.residual"]
+    assert FeatureSpec().tap_names(tiny_network) == ["blocks.0.residual", "blocks.1.residual"]
     assert spec.names(1) == ["msq_0", "cos_0", "cos_0_dir1", "line_shape"]
     assert spec.names(2) == feature_names(2, extra_directions=1, line_shape=True)
     with pytest.raises(InputError, match="extra_directions must be >= 0"):

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from detector.explain import CleanBand, Gallery, GalleryItem, block_features, to_uint8
-from detector.features import FeatureSpec, TransportFeatureExtractor
+from detector.features import FeatureSpec
 from training.experiments import Samples, Split
 from training.pipeline import PipelineRun, read_pipeline_config
 
@@ -27,8 +27,7 @@ def explain_assets(
     name = info["network"]
     model = pipeline.model(name)
     data = pipeline.samples(name)
-    taps = FeatureSpec(**info.get("features", {})).taps
-    n_blocks = TransportFeatureExtractor(model, FeatureSpec(taps=taps)).n_blocks
+    n_blocks = len(FeatureSpec(**info.get("features", {})).tap_names(model))
     split = Split(info["split_seed"], info["test_fraction"], int(data.clean.indices.max()) + 1)
     clean = split.train(data.clean)
     class_names = list(model.config.class_names)  # type: ignore[union-attr]

@@ -22,7 +22,7 @@ import torch
 from detector import artefacts, networks
 from detector.base import Detector
 from detector.errors import ArtefactError, ConfigError
-from detector.features import FeatureSpec, TransportFeatureExtractor, extract_features
+from detector.features import FeatureSpec, extract_features
 from detector.registry import get_detector
 from training import adversarial
 from training.data import load_dataset, load_ood, to_arrays
@@ -184,8 +184,7 @@ class PipelineRun:
         return self._samples[name]
 
     def _blocks(self, name: str) -> int:
-        residues = FeatureSpec(taps=self.union.taps)  # the blocks alone: no second network needed
-        return TransportFeatureExtractor(self.model(name), residues).n_blocks
+        return len(self.union.tap_names(self.model(name)))
 
     def feature_spec(self, name: str, full: NetworkSamples | None = None) -> FeatureSpec:
         """The feature set network ``name``'s detectors use: the only candidate, or the one the
