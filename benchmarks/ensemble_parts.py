@@ -4,12 +4,14 @@ The deploy network's seed-0 split: its training side (B1 without the calibration
 again into a validation quarter and three quarters to fit (as the feature selection cuts it);
 the test side (B2) is never read. Two tables, each row one ensemble configuration:
 
-1. unseen analog: forests on FGM eps=0.1 of the fit part, balanced accuracy on every other
-   attack's validation rows at the ensemble's own decision 0.5 (as the unseen protocol);
+1. unseen / OOD analog: forests on FGM eps=0.1 of the fit part, balanced accuracy at the
+   ensemble's own decision 0.5 (as the unseen and OOD protocols) on every other attack's
+   validation rows and on three training-side OOD stand-ins made from the validation clean
+   images (inverted, rotated by 90 degrees, pixels shuffled), per forest rule (the class forest
+   OR the general forest, as seed 003 §5.4.2, or the general forest alone) and clean tails;
 2. deployed analog: every attack in equal shares (as ``fit_deployable``), the threshold
    calibrated on the calibration slice (the config's FPR target and confidence), the share of
-   each attack's successful validation images flagged, and of three training-side OOD proxies
-   made from the validation clean images (inverted, rotated by 90 degrees, pixels shuffled);
+   each attack's successful validation images flagged, and of the three OOD stand-ins;
    the run's OOD sets are printed for information (test-side sets: never choose on them).
 
     .venv/bin/python benchmarks/ensemble_parts.py runs/quick
@@ -32,17 +34,18 @@ from training.pipeline import PipelineRun
 
 UNSEEN_TRAIN = "fgm-eps0.1"
 # (Gaussian tail, margin tail) pairs of the unseen table; the deployed table's rows below.
-TAILS = [(0.05, 0.0), (0.05, 0.01), (0.04, 0.02), (0.03, 0.02), (0.025, 0.025), (0.02, 0.01)]
+TAILS = [(0.05, 0.0), (0.025, 0.025), (0.02, 0.02), (0.015, 0.015), (0.01, 0.01), (0.02, 0.01)]
+FOREST_RULES = {"class OR general": True, "general alone": False}  # -> class_conditional
 DEPLOYED = {
-    "pooled, Gaussian 0.05": dict(family_forests=False, tail=0.05, margin_tail=0.0),
-    "families, Gaussian 0.05": dict(family_forests=True, tail=0.05, margin_tail=0.0),
-    "families (1 clean per row), Gaussian 0.025 + margin 0.025": dict(
-        family_forests=True, tail=0.025, margin_tail=0.025, family_clean_ratio=1.0
+    "class OR general, Gaussian 0.025 + margin 0.025": dict(class_conditional=True),
+    "general alone, Gaussian 0.025 + margin 0.025": dict(class_conditional=False),
+    "general alone, Gaussian 0.015 + margin 0.015": dict(
+        class_conditional=False, tail=0.015, margin_tail=0.015
     ),
-    "families (4 clean per row), Gaussian 0.025 + margin 0.025": dict(
-        family_forests=True, tail=0.025, margin_tail=0.025, family_clean_ratio=4.0
+    "general alone, Gaussian 0.01 + margin 0.01": dict(
+        class_conditional=False, tail=0.01, margin_tail=0.01
     ),
-}
+}  # every row: family forests, 4 clean rows per family row
 PROXY_IMAGES = 1000  # validation clean images each OOD proxy is made from
 
 
@@ -95,23 +98,28 @@ def deployed_cells(
     return cells
 
 
-def unseen_table(run: PipelineRun, name: str) -> None:
+def unseen_table(run: PipelineRun, name: str, proxies: dict[str, Samples]) -> None:
     data = run.samples(name)
     _, _, is_val = validation_cut(run, name)
     val = masker(is_val)
     clean, attacked = unseen_pairs(run, name, data.clean, data.attacks[UNSEEN_TRAIN])
     others = [k for k in data.attacks if k != UNSEEN_TRAIN]
-    print(f"\nUnseen analog ({name}; forests on {UNSEEN_TRAIN}), balanced accuracy at 0.5:\n")
-    print("| Gaussian tail | margin tail | clean FPR | " + " | ".join(others) + " | mean |")
-    print("|---:" * (len(others) + 4) + "|")
-    forests = None
-    for tail, margin_tail in TAILS:
-        detector = EnsembleDetector(tail=tail, margin_tail=margin_tail, n_jobs=-1)
-        detector.fit_samples(clean, attacked, forests=forests)
-        forests = detector.forests_  # the same forests for every row
-        cells = [f"{tail:g}", f"{margin_tail:g}"]
-        cells += unseen_cells(detector, val(data.clean), [val(data.attacks[k]) for k in others])
-        print("| " + " | ".join(cells) + " |", flush=True)
+    print(f"\nUnseen / OOD analog ({name}; forests on {UNSEEN_TRAIN}), balanced accuracy at 0.5:\n")
+    header = ["forests", "Gaussian tail", "margin tail", "clean FPR", *others, "attack mean"]
+    print("| " + " | ".join([*header, *proxies, "stand-in mean"]) + " |")
+    print("|---" + "|---:" * (len(header) + len(proxies)) + "|")
+    for rule, class_conditional in FOREST_RULES.items():
+        forests = None
+        for tail, margin_tail in TAILS:
+            detector = EnsembleDetector(
+                tail=tail, margin_tail=margin_tail, class_conditional=class_conditional, n_jobs=-1
+            )
+            detector.fit_samples(clean, attacked, forests=forests)
+            forests = detector.forests_  # the same forests for every row of a rule
+            cells = [rule, f"{tail:g}", f"{margin_tail:g}"]
+            cells += unseen_cells(detector, val(data.clean), [val(data.attacks[k]) for k in others])
+            cells += unseen_cells(detector, val(data.clean), list(proxies.values()))[1:]
+            print("| " + " | ".join(cells) + " |", flush=True)
 
 
 def deployed_analog(
@@ -134,13 +142,12 @@ def deployed_analog(
     return detector, calibration.threshold
 
 
-def deployed_table(run: PipelineRun, name: str) -> None:
+def deployed_table(run: PipelineRun, name: str, proxies: dict[str, Samples]) -> None:
     data = run.samples(name)
     _, _, is_val = validation_cut(run, name)
     val = masker(is_val)
     keys = list(data.attacks)
     print(f"\nDeployed analog ({name}), successful validation images flagged (%):\n")
-    proxies = ood_proxies(run, name, val(data.clean))
     print("| parts | threshold | clean FPR | " + " | ".join([*keys, *proxies]) + " | OOD (info) |")
     print("|---" + "|---:" * (len(keys) + len(proxies) + 3) + "|")
     for label, params in DEPLOYED.items():
@@ -202,8 +209,10 @@ def open_run(args: argparse.Namespace) -> tuple[PipelineRun, str]:
 
 def main() -> None:
     run, name = open_run(run_arguments(__doc__.splitlines()[0]).parse_args())
-    unseen_table(run, name)
-    deployed_table(run, name)
+    _, _, is_validation = validation_cut(run, name)
+    proxies = ood_proxies(run, name, masker(is_validation)(run.samples(name).clean))
+    unseen_table(run, name, proxies)
+    deployed_table(run, name, proxies)
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     noisy = np.clip(x_test + rng.normal(0, 0.1, x_test.shape), 0, 1).astype(np.float32)
     noisy_features, noisy_logits = extract_features(model, noisy, batch_size=256)
-    detector = TransportDetector(n_estimators=100).fit(
+    detector = TransportDetector(n_estimators=100, class_conditional=True).fit(
         np.concatenate([features, noisy_features]),
         np.r_[np.zeros(len(features)), np.ones(len(noisy_features))].astype(int),
         np.concatenate([logits, noisy_logits]).argmax(1),

@@ -46,7 +46,7 @@ def main() -> None:
     means: dict[str, list[float]] = {rule: [] for rule in RULES}
     for key, attack in data.attacks.items():
         attacked, held = fit(attack), val(attack)
-        detector = TransportDetector(n_jobs=-1).fit_samples(
+        detector = TransportDetector(class_conditional=True, n_jobs=-1).fit_samples(
             sources(fit(data.clean), attacked), attacked
         )
         clean_rows = sources(val(data.clean), held)
