@@ -49,6 +49,7 @@ class DetectorInfo:
     supervised: bool = True  # False: fitted on clean samples only (abnormal ones are ignored)
     default_threshold: float | None = DEFAULT_VOTE_THRESHOLD  # its own decision; None: calibrated
     servable: bool = False  # has a torch form and travels in a bundle
+    summary: str = ""  # one line for the report's legend: what it reads and how it decides
 
 
 class SampleSet(Protocol):

@@ -245,7 +245,13 @@ class TransportDetector(Detector):
     ABNORMAL, in [0, 1]. ``predict`` flags a score > 0.5 (either forest's majority vote).
     """
 
-    info = DetectorInfo("transport", "TR", reads="features", servable=True)
+    info = DetectorInfo(
+        "transport",
+        "TR",
+        reads="features",
+        servable=True,
+        summary="random forest on the trajectory features (seed 003 §5.3.1), trained on attacks",
+    )
 
     def __init__(
         self,

@@ -102,7 +102,12 @@ class MahalanobisDetector(Detector):
     ``fit_samples``/``score_samples`` read the per-magnitude features from ``samples.extra``.
     """
 
-    info = DetectorInfo("mahalanobis", "MH", reads="network")
+    info = DetectorInfo(
+        "mahalanobis",
+        "MH",
+        reads="network",
+        summary="random forest on per-layer Mahalanobis scores of the activations (Lee et al. 2018)",
+    )
 
     def __init__(
         self,

@@ -158,7 +158,13 @@ class NoveltyDetector(Detector):
     class has that many, every class shares the pooled mean (one Gaussian for all)."""
 
     info = DetectorInfo(
-        "novelty", "NV", reads="features", supervised=False, default_threshold=None, servable=True
+        "novelty",
+        "NV",
+        reads="features",
+        supervised=False,
+        default_threshold=None,
+        servable=True,
+        summary="class-conditional Gaussian on clean trajectory features only",
     )
 
     def __init__(self, min_class_samples: int = 20, random_state: int | None = 0) -> None:
@@ -301,7 +307,14 @@ class EnsembleDetector(Detector):
     attacks beside large L-inf ones) is still flagged as well as a detector trained on it alone
     would flag it."""
 
-    info = DetectorInfo("ensemble", "TR+NV", reads="features", servable=True)
+    info = DetectorInfo(
+        "ensemble",
+        "TR+NV",
+        reads="features",
+        servable=True,
+        summary="the transport forests (with class forests and one set per attack family) OR the "
+        "far tails of two clean-only parts, the Gaussian on the features and the logit margin",
+    )
 
     def __init__(
         self,

@@ -125,7 +125,12 @@ class NSSDetector(Detector):
     :func:`nss_features`.
     """
 
-    info = DetectorInfo("nss", "NS", reads="images")
+    info = DetectorInfo(
+        "nss",
+        "NS",
+        reads="images",
+        summary="random forest on natural-scene statistics (BRISQUE/MSCN) of the image itself",
+    )
 
     def __init__(
         self,

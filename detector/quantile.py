@@ -92,7 +92,13 @@ class QuantileDetector(Detector):
 
     # Zero-shot: its decision is the calibrated threshold, not a vote.
     info = DetectorInfo(
-        "quantile", "QT", reads="features", supervised=False, default_threshold=None, servable=True
+        "quantile",
+        "QT",
+        reads="features",
+        supervised=False,
+        default_threshold=None,
+        servable=True,
+        summary="zero-shot: the transport cost outside its clean quantile band",
     )
 
     def __init__(self, feature: str = "transport_cost", fpr: float = 0.05) -> None:

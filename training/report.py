@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from detector import __version__, artefacts
-from detector.errors import ArtefactError
+from detector.errors import ArtefactError, ConfigError
+from detector.registry import detector_info
 from training.plots import (
     plot_feature_trajectories,
     plot_learning_curves,
@@ -45,14 +46,6 @@ LEARNING_CURVE_FIGURE = "learning_curve.png"
 MODEL_ORDER = ("vanilla", "rce", "lap")
 MODEL_LABELS = {"vanilla": "VAN", "lap": "LAP", "rce": "RCE"}
 DETECTOR_ORDER = ("transport", "ensemble", "novelty", "mahalanobis", "nss", "quantile")
-DETECTOR_LABELS = {
-    "transport": "TR",
-    "ensemble": "TR+NV",
-    "novelty": "NV",
-    "mahalanobis": "MH",
-    "nss": "NS",
-    "quantile": "QT",
-}
 ATTACK_ORDER = (
     "fgm",
     "pgd",
@@ -111,9 +104,29 @@ def set_label(key: str) -> str:
     return f"{label} ε={eps:g}" if eps is not None else label
 
 
+def detector_label(detector: str) -> str:
+    """A detector's short name in the tables ('transport' -> 'TR'), from the registry."""
+    try:
+        return detector_info(detector).short_name
+    except ConfigError:  # a results file from a detector this version does not have
+        return detector.upper()
+
+
 def row_label(model: str, detector: str) -> str:
     """Seed-style row label: ('lap', 'transport') -> 'LAP TR'."""
-    return f"{MODEL_LABELS.get(model, model.upper())} {DETECTOR_LABELS.get(detector, detector.upper())}"
+    return f"{MODEL_LABELS.get(model, model.upper())} {detector_label(detector)}"
+
+
+def detector_legend(detectors: Iterable[str]) -> str:
+    """One line naming the tables' detectors: short name, registry name, what it does."""
+    parts = []
+    for name in dict.fromkeys(detectors):
+        try:
+            info = detector_info(name)
+        except ConfigError:
+            continue
+        parts.append(f"**{info.short_name}** ({name}): {info.summary}")
+    return "Detectors: " + "; ".join(parts) + "." if parts else ""
 
 
 def _rank(order: Sequence[str]) -> Callable[[str], tuple[int, str]]:
@@ -758,7 +771,14 @@ def summary_section(
         column_of=lambda r: r["protocol"],
         metric="accuracy",
     )
-    return ["## Summary: mean detection accuracy (%)", "", table, ""]
+    legend = detector_legend(detector for _, detector in rows)
+    return [
+        "## Summary: mean detection accuracy (%)",
+        "",
+        table,
+        "",
+        *([legend, ""] if legend else []),
+    ]
 
 
 def _flatten(prefix: str, value: Any) -> Iterable[tuple[str, Any]]:
@@ -893,7 +913,7 @@ def roc_figures(
                         pairs, key=lambda p: (_set_rank(p[0]), _set_rank(p[1]))
                     )
                 }
-            title = f"{DETECTOR_LABELS.get(detector, detector)} ({detector}), {setting}"
+            title = f"{detector_label(detector)} ({detector}), {setting}"
             path = plot_roc_curves(
                 panels, RunDir(run_dir).figures / f"roc_{detector}_{setting}.png", title=title
             )
