@@ -56,7 +56,7 @@ from detector.base import (
 )
 from detector.errors import ArtefactError, InputError
 from detector.features import check_features
-from detector.forest import TransportDetector, same_general_forest
+from detector.forest import TransportDetector
 from detector.margin import MARGIN_FEATURE, MarginScorer, check_margin_arrays, margin_arrays
 from detector.registry import register_detector
 
@@ -351,11 +351,6 @@ class EnsembleDetector(Detector):
         parameters, fitted on the same rows, fits the same forests)."""
         return self._parts()[0].get_params()
 
-    def can_reuse(self, forests: TransportDetector) -> bool:
-        """Whether :meth:`fit` can take ``forests`` (fitted on the same rows): they fit the same
-        general forest as its pooled forests."""
-        return same_general_forest(forests, self._parts()[0])
-
     def fit(
         self,
         features: np.ndarray,
@@ -368,10 +363,8 @@ class EnsembleDetector(Detector):
     ) -> EnsembleDetector:
         """Forests on every row (0 clean / 1 abnormal), one set per family of the abnormal rows
         (``families``: a name per row, read on abnormal rows only); the Gaussian on the clean
-        rows only. ``forests``: a transport detector already fitted on the same rows (a
-        protocol that also runs it) whose general forest the pooled forests share
-        (:meth:`can_reuse`): reused as it is, or its general forest beside new class forests
-        when only those differ.
+        rows only. ``forests``: the pooled forests already fitted on the same rows with the same
+        parameters (a protocol that also runs the transport detector), reused as they are.
         ``margin_column``: the features' logit-margin column, whose clean CDF the margin part
         ramps over its last ``margin_tail`` (none without it, or when ``margin_tail`` is 0)."""
         if not 0 < self.tail < 1:
@@ -381,10 +374,10 @@ class EnsembleDetector(Detector):
         if not self.family_clean_ratio > 0:
             raise InputError(f"family_clean_ratio must be > 0, got {self.family_clean_ratio}")
         pooled, novelty = self._parts()
-        if forests is not None and not self.can_reuse(forests):
+        if forests is not None and forests.get_params() != pooled.get_params():
             raise InputError("the forests to reuse were fitted with other parameters")
-        if forests is None or forests.get_params() != pooled.get_params():
-            forests = pooled.fit(features, is_abnormal, predicted_labels, reuse=forests)
+        if forests is None:
+            forests = pooled.fit(features, is_abnormal, predicted_labels)
         self.forests_ = forests
         clean = np.asarray(is_abnormal) == 0
         x, predicted = np.asarray(features), np.asarray(predicted_labels)

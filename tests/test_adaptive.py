@@ -52,7 +52,7 @@ def system(network: torch.nn.Module) -> dict:
     f_clean, logits_clean = extract_features(tiny_network, x)
     f_adv, logits_adv = extract_features(tiny_network, x_adv)
     fit = slice(0, N_FIT)
-    detector = TransportDetector(n_estimators=10, min_class_samples=5, class_conditional=True).fit(
+    detector = TransportDetector(n_estimators=10, min_class_samples=5).fit(
         np.concatenate([f_clean[fit], f_adv[fit]]),
         np.r_[np.zeros(N_FIT), np.ones(N_FIT)].astype(int),
         np.concatenate([logits_clean[fit].argmax(1), logits_adv[fit].argmax(1)]),

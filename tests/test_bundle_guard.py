@@ -44,7 +44,7 @@ def run(tmp_path: Path, tiny_network: torch.nn.Module) -> dict:
     x = np.concatenate([_images(60, 0, False), _images(60, 1, True)])
     y = np.r_[np.zeros(60), np.ones(60)].astype(int)
     features, logits = extract_features(tiny_network, x)
-    detector = TransportDetector(n_estimators=15, min_class_samples=5, class_conditional=True).fit(
+    detector = TransportDetector(n_estimators=15, min_class_samples=5).fit(
         features, y, logits.argmax(1)
     )
     clean_val, _ = extract_features(tiny_network, _images(50, 2, False))

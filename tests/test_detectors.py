@@ -31,9 +31,7 @@ def _separated(n: int, seed: int, shift: float = 2.5) -> tuple[np.ndarray, np.nd
 
 def test_transport_detector_scores_abnormal_higher() -> None:
     x, y, predicted = _separated(200, 0)
-    detector = TransportDetector(n_estimators=30, min_class_samples=20, class_conditional=True).fit(
-        x, y, predicted
-    )
+    detector = TransportDetector(n_estimators=30, min_class_samples=20).fit(x, y, predicted)
     xt, yt, pt = _separated(200, 1)
     scores = detector.score(xt, pt)
     assert scores.min() >= 0 and scores.max() <= 1
@@ -45,9 +43,7 @@ def test_transport_detector_scores_abnormal_higher() -> None:
 def test_votes_are_the_general_and_own_class_forests_and_score_is_their_max() -> None:
     x, y, predicted = _separated(100, 2)
     predicted[(predicted == 3) & (y == 1)] = 0  # class 3 gets no forest of its own
-    detector = TransportDetector(n_estimators=9, min_class_samples=10, class_conditional=True).fit(
-        x, y, predicted
-    )
+    detector = TransportDetector(n_estimators=9, min_class_samples=10).fit(x, y, predicted)
     xt, _, pt = _separated(100, 3)
     general, own = detector.votes(xt, pt)
     # Fully grown trees have pure leaves: their mean probability is the share of trees voting.
@@ -65,9 +61,7 @@ def test_votes_are_the_general_and_own_class_forests_and_score_is_their_max() ->
 def test_class_forests_only_where_both_labels_are_common_enough() -> None:
     x, y, predicted = _separated(100, 2)
     predicted[(predicted == 3) & (y == 1)] = 0  # class 3 has no abnormal samples
-    detector = TransportDetector(n_estimators=5, min_class_samples=10, class_conditional=True).fit(
-        x, y, predicted
-    )
+    detector = TransportDetector(n_estimators=5, min_class_samples=10).fit(x, y, predicted)
     assert sorted(detector.class_forests_) == [0, 1, 2]
     assert (
         list(
@@ -79,27 +73,12 @@ def test_class_forests_only_where_both_labels_are_common_enough() -> None:
     )
 
 
-def test_class_forests_beside_a_reused_general_forest_score_as_if_fitted_alone() -> None:
-    x, y, predicted = _separated(100, 2)
-    xt, _, pt = _separated(100, 3)
-    general_only = TransportDetector(n_estimators=9).fit(x, y, predicted)
-    both = TransportDetector(n_estimators=9, min_class_samples=10, class_conditional=True)
-    reused = both.fit(x, y, predicted, reuse=general_only)
-    assert reused.forest_ is general_only.forest_ and len(reused.class_forests_) == 4
-    alone = TransportDetector(n_estimators=9, min_class_samples=10, class_conditional=True)
-    np.testing.assert_array_equal(reused.score(xt, pt), alone.fit(x, y, predicted).score(xt, pt))
-    with pytest.raises(InputError, match="other parameters"):
-        TransportDetector(n_estimators=5).fit(x, y, predicted, reuse=general_only)
-    with pytest.raises(InputError, match="no general forest for these features"):
-        TransportDetector(n_estimators=9).fit(x[:, :5], y, predicted, reuse=general_only)
-
-
 @pytest.mark.parametrize("max_depth", [None, 3])
 def test_tensor_forest_equals_sklearn(max_depth: int | None) -> None:
     x, y, predicted = _separated(150, 3, shift=0.8)
-    detector = TransportDetector(
-        n_estimators=25, max_depth=max_depth, min_class_samples=10, class_conditional=True
-    ).fit(x, y, predicted)
+    detector = TransportDetector(n_estimators=25, max_depth=max_depth, min_class_samples=10).fit(
+        x, y, predicted
+    )
     xt, _, _ = _separated(100, 4, shift=0.8)
     # Include values exactly on split thresholds, and labels without a class forest.
     arrays = detector.arrays_

@@ -209,7 +209,7 @@ def test_report_has_seed_layout_tables_and_valid_figures(tmp_path: Path) -> None
     assert "6.0x faster" in report
     assert "cw → digits" in report.replace("CW", "cw")
     legend = next(line for line in report.splitlines() if line.startswith("Detectors: "))
-    assert "**TR** (transport): random forest on the trajectory features" in legend
+    assert "**TR** (transport): random forests on the trajectory features" in legend
     assert "**MH** (mahalanobis)" in legend and "QT" not in legend  # the tables' detectors only
     for table in _tables(report):
         assert len({len(line) for line in table}) == 1, table  # aligned pipes

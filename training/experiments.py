@@ -300,9 +300,9 @@ class _Protocols:
     def _fit(
         self, prototype: Detector, sides: Sides, clean: Samples, abnormal: Samples
     ) -> Detector:
-        """``prototype`` fitted for the seed. The ensemble reuses the general forest the
-        transport detector fitted on the same rows with the same parameters and seed (the same
-        forest: the fit is deterministic), so a protocol running both fits it once."""
+        """``prototype`` fitted for the seed. The ensemble reuses the forests the transport
+        detector fitted on the same rows with the same parameters and seed (the same forests:
+        the fit is deterministic), so a protocol running both fits them once."""
         detector = prototype.with_seed(sides.seed)
         key = (clean.name, abnormal.name, clean.indices.tobytes(), abnormal.indices.tobytes())
         if any(seed != sides.seed for seed, *_ in self.forests):
@@ -311,7 +311,7 @@ class _Protocols:
         if (
             isinstance(detector, EnsembleDetector)
             and forests is not None
-            and detector.can_reuse(forests)
+            and forests.get_params() == detector.forest_params()
         ):
             return detector.fit_samples(clean, abnormal, forests=forests)
         detector = detector.fit_samples(clean, abnormal)
