@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from detector import __version__, artefacts
+from detector.base import DetectorInfo
 from detector.errors import ArtefactError, ConfigError
 from detector.registry import detector_info
 from training.plots import (
@@ -104,12 +105,19 @@ def set_label(key: str) -> str:
     return f"{label} ε={eps:g}" if eps is not None else label
 
 
+def _registered(detector: str) -> DetectorInfo | None:
+    """The registry's metadata of ``detector``; None for a detector this version does not have
+    (a results file written by another version)."""
+    try:
+        return detector_info(detector)
+    except ConfigError:
+        return None
+
+
 def detector_label(detector: str) -> str:
     """A detector's short name in the tables ('transport' -> 'TR'), from the registry."""
-    try:
-        return detector_info(detector).short_name
-    except ConfigError:  # a results file from a detector this version does not have
-        return detector.upper()
+    info = _registered(detector)
+    return info.short_name if info is not None else detector.upper()
 
 
 def row_label(model: str, detector: str) -> str:
@@ -121,11 +129,9 @@ def detector_legend(detectors: Iterable[str]) -> str:
     """One line naming the tables' detectors: short name, registry name, what it does."""
     parts = []
     for name in dict.fromkeys(detectors):
-        try:
-            info = detector_info(name)
-        except ConfigError:
-            continue
-        parts.append(f"**{info.short_name}** ({name}): {info.summary}")
+        info = _registered(name)
+        if info is not None:
+            parts.append(f"**{info.short_name}** ({name}): {info.summary}")
     return "Detectors: " + "; ".join(parts) + "." if parts else ""
 
 
