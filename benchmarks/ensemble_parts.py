@@ -8,7 +8,8 @@ the test side (B2) is never read. Two tables, each row one ensemble configuratio
    ensemble's own decision 0.5 (as the unseen and OOD protocols) on every other attack's
    validation rows and on three training-side OOD stand-ins made from the validation clean
    images (inverted, rotated by 90 degrees, pixels shuffled), per forest rule (the class forest
-   OR the general forest, as seed 003 §5.4.2, or the general forest alone) and clean tails;
+   OR the general forest, as seed 003 §5.4.2, or the general forest alone), clean-only
+   distance (to the class mean, or to the nearest clean sample) and clean tails;
 2. deployed analog: every attack in equal shares (as ``fit_deployable``), the threshold
    calibrated on the calibration slice (the config's FPR target and confidence), the share of
    each attack's successful validation images flagged, and of the three OOD stand-ins;
@@ -36,8 +37,14 @@ UNSEEN_TRAIN = "fgm-eps0.1"
 # (Gaussian tail, margin tail) pairs of the unseen table; the deployed table's rows below.
 TAILS = [(0.05, 0.0), (0.025, 0.025), (0.02, 0.02), (0.015, 0.015), (0.01, 0.01), (0.02, 0.01)]
 FOREST_RULES = {"class OR general": True, "general alone": False}  # -> class_conditional
+# The clean-only part's distance (NoveltyDetector): to the class mean, or to the nearest clean
+# sample; the unseen table compares them with class OR general forests at every tail.
+NOVELTY_DISTANCES = ("class-mean", "nearest")
 DEPLOYED = {
     "class OR general, Gaussian 0.025 + margin 0.025": dict(class_conditional=True),
+    "class OR general, nearest 0.025 + margin 0.025": dict(
+        class_conditional=True, novelty_distance="nearest"
+    ),
     "general alone, Gaussian 0.025 + margin 0.025": dict(class_conditional=False),
     "general alone, Gaussian 0.015 + margin 0.015": dict(
         class_conditional=False, tail=0.015, margin_tail=0.015
@@ -105,18 +112,24 @@ def unseen_table(run: PipelineRun, name: str, proxies: dict[str, Samples]) -> No
     clean, attacked = unseen_pairs(run, name, data.clean, data.attacks[UNSEEN_TRAIN])
     others = [k for k in data.attacks if k != UNSEEN_TRAIN]
     print(f"\nUnseen / OOD analog ({name}; forests on {UNSEEN_TRAIN}), balanced accuracy at 0.5:\n")
-    header = ["forests", "Gaussian tail", "margin tail", "clean FPR", *others, "attack mean"]
-    print("| " + " | ".join([*header, *proxies, "stand-in mean"]) + " |")
-    print("|---" + "|---:" * (len(header) + len(proxies)) + "|")
-    for rule, class_conditional in FOREST_RULES.items():
-        forests = None
+    header = ["forests", "novelty", "novelty tail", "margin tail", "clean FPR", *others]
+    print("| " + " | ".join([*header, "attack mean", *proxies, "stand-in mean"]) + " |")
+    print("|---" + "|---:" * (len(header) + len(proxies) + 1) + "|")
+    rows = [(rule, "class-mean") for rule in FOREST_RULES]
+    rows += [("class OR general", d) for d in NOVELTY_DISTANCES if d != "class-mean"]
+    forests: dict[str, Any] = {}  # the same forests for every row of a rule
+    for rule, distance in rows:
         for tail, margin_tail in TAILS:
             detector = EnsembleDetector(
-                tail=tail, margin_tail=margin_tail, class_conditional=class_conditional, n_jobs=-1
+                tail=tail,
+                margin_tail=margin_tail,
+                class_conditional=FOREST_RULES[rule],
+                novelty_distance=distance,
+                n_jobs=-1,
             )
-            detector.fit_samples(clean, attacked, forests=forests)
-            forests = detector.forests_  # the same forests for every row of a rule
-            cells = [rule, f"{tail:g}", f"{margin_tail:g}"]
+            detector.fit_samples(clean, attacked, forests=forests.get(rule))
+            forests[rule] = detector.forests_
+            cells = [rule, distance, f"{tail:g}", f"{margin_tail:g}"]
             cells += unseen_cells(detector, val(data.clean), [val(data.attacks[k]) for k in others])
             cells += unseen_cells(detector, val(data.clean), list(proxies.values()))[1:]
             print("| " + " | ".join(cells) + " |", flush=True)

@@ -6,7 +6,7 @@ Prints:
 3. scikit-learn ``predict_proba`` (1 and 256 samples) vs the TensorForest, and the detector's
    share of the Guard's batch time at batch 256 (target <= 10%);
 4. with ``--bundle B``: the same share for the detector a bundle ships (e.g. the quick preset's
-   ensemble of forests + clean-only Gaussian, on the feature set the run chose), and the bundle's
+   ensemble of forests + clean-only parts, on the feature set the run chose), and the bundle's
    Guard time over the network's plain forward (what the feature groups cost in all).
 
 Repetitions of the things compared are interleaved and medians taken, so background load hits

@@ -1,5 +1,6 @@
 """The clean-only Gaussian and its ensemble with the forests: the distance is Mahalanobis to the
-predicted class, the score its clean CDF, the ensemble an OR of the forests and the far tail."""
+nearest clean sample or to the predicted class, the score its clean CDF, the ensemble an OR of
+the forests and the far tail."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _clean(n: int = 600, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 def test_distance_is_mahalanobis_to_the_predicted_class_after_the_log() -> None:
     x, y = _clean()
-    detector = NoveltyDetector().fit(x, y)
+    detector = NoveltyDetector(distance="class-mean").fit(x, y)
     arrays = detector.arrays_
     assert arrays["log_columns"].tolist() == [1, 0, 0]  # only the non-negative column
     z = x.astype(np.float64)
@@ -46,7 +47,7 @@ def test_classes_without_a_mean_use_the_nearest_one() -> None:
     x, y = _clean()
     y = y.copy()
     y[:5] = 7  # a class predicted 5 times: below min_class_samples
-    detector = NoveltyDetector(min_class_samples=20).fit(x, y)
+    detector = NoveltyDetector(min_class_samples=20, distance="class-mean").fit(x, y)
     assert detector.arrays_["class_present"].tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
     scorer = detector.to_torch()
     features = torch.from_numpy(x[:10])
@@ -59,13 +60,76 @@ def test_classes_without_a_mean_use_the_nearest_one() -> None:
 
 def test_too_few_samples_per_class_share_one_pooled_gaussian() -> None:
     x, y = _clean(n=30)  # two classes: neither reaches min_class_samples=30
-    detector = NoveltyDetector(min_class_samples=30).fit(x, y)
+    detector = NoveltyDetector(min_class_samples=30, distance="class-mean").fit(x, y)
     arrays = detector.arrays_
     assert arrays["class_present"].tolist() == [1, 1]
     np.testing.assert_array_equal(arrays["class_means"], 0.0)  # the pooled mean, standardized
     # Every label scores as the pooled Gaussian; far inputs lie beyond every clean sample.
     np.testing.assert_array_equal(detector.score(x, y), detector.score(x, 1 - y))
     assert (detector.score(x + np.float32(5.0), y) == 1.0).all()
+
+
+def _standardized(detector: NoveltyDetector, x: np.ndarray) -> np.ndarray:
+    arrays = detector.arrays_
+    z = x.astype(np.float64)
+    z[:, 0] = np.log(z[:, 0] + arrays["offset"][0])
+    return (z - arrays["mean"]) / arrays["scale"]
+
+
+def test_nearest_distance_is_mahalanobis_to_the_nearest_clean_sample() -> None:
+    x, y = _clean()
+    detector = NoveltyDetector().fit(x, y)  # distance="nearest" is the default
+    precision = detector.arrays_["precision"].astype(np.float64)
+    z = _standardized(detector, x)
+    fresh, fresh_y = _clean(n=50, seed=1)
+    diff = _standardized(detector, fresh)[:, None, :] - z[None]  # [50, 600, F]
+    expected = np.einsum("nmf,fg,nmg->nm", diff, precision, diff).min(axis=1)
+    with torch.inference_mode():
+        got = detector.to_torch().distance(torch.from_numpy(fresh), None).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-4)
+    # The clean CDF is of each fitting sample's distance to its nearest OTHER sample, so fresh
+    # clean data scores about uniform; the predicted label plays no part.
+    scores = detector.score(*_clean(seed=2))
+    assert 0.35 < scores.mean() < 0.65 and scores.min() >= 0.0 and scores.max() <= 1.0
+    np.testing.assert_array_equal(
+        detector.score(fresh, fresh_y), detector.score(fresh, 1 - fresh_y)
+    )
+    restored = NoveltyDetector.from_arrays(*detector.to_arrays())
+    np.testing.assert_array_equal(restored.score(fresh, fresh_y), detector.score(fresh, fresh_y))
+
+
+def test_the_nearest_distance_sees_a_gap_that_the_class_mean_fills() -> None:
+    """A class made of two clusters: its mean lies in the empty gap between them. Inputs there
+    are typical for the class-mean distance and beyond every clean sample for the nearest one."""
+    rng = np.random.default_rng(3)
+    n = 600
+    side = rng.choice([-0.5, 0.5], n)
+    x = np.column_stack(
+        [np.exp(rng.normal(0, 0.3, n)), side + rng.normal(0, 0.03, n), rng.normal(0, 0.03, n)]
+    ).astype(np.float32)
+    y = np.zeros(n, int)
+    gap = np.column_stack([np.ones(20), np.zeros((20, 2))]).astype(np.float32)
+    labels = np.zeros(20, int)
+    assert (NoveltyDetector().fit(x, y).score(gap, labels) > 0.98).all()
+    assert (NoveltyDetector(distance="class-mean").fit(x, y).score(gap, labels) < 0.2).all()
+
+
+def test_distances_and_their_arrays_must_agree() -> None:
+    x, y = _clean()
+    with pytest.raises(InputError, match="distance must be one of"):
+        NoveltyDetector(distance="cosine").fit(x, y)
+    nearest = NoveltyDetector().fit(x, y)
+    arrays, params = nearest.to_arrays()
+    with pytest.raises(ArtefactError, match="do not match distance='class-mean'"):
+        NoveltyDetector.from_arrays(arrays, {**params, "distance": "class-mean"})
+    with pytest.raises(ArtefactError, match="travel together"):
+        NoveltyDetector.from_arrays({k: v for k, v in arrays.items() if k != "whiten"}, params)
+    with pytest.raises(ArtefactError, match="'points'"):
+        NoveltyDetector.from_arrays({**arrays, "points": arrays["points"][:, :2]}, params)
+    # A detector saved before the nearest distance (no "distance" param) loads as class-mean.
+    old_arrays, old_params = NoveltyDetector(distance="class-mean").fit(x, y).to_arrays()
+    del old_params["distance"]
+    assert NoveltyDetector.from_arrays(old_arrays, old_params).distance == "class-mean"
 
 
 def test_bad_fits_and_artefacts_are_refused() -> None:
