@@ -9,7 +9,9 @@ the test side (B2) is never read. Two tables, each row one ensemble configuratio
    validation rows and on three training-side OOD stand-ins made from the validation clean
    images (inverted, rotated by 90 degrees, pixels shuffled), per forest rule (the class forest
    OR the general forest, as seed 003 §5.4.2, or the general forest alone), clean-only
-   distance (to the class mean, or to the nearest clean sample) and clean tails;
+   distance (to the class mean, or to the nearest clean sample) and clean tails, with and
+   without the penultimate part (the nearest clean image in the network's penultimate
+   embedding);
 2. deployed analog: every attack in equal shares (as ``fit_deployable``), the threshold
    calibrated on the calibration slice (the config's FPR target and confidence), the share of
    each attack's successful validation images flagged, and of the three OOD stand-ins;
@@ -32,11 +34,19 @@ from detector.forest import TransportDetector
 from detector.novelty import NOVELTY_DISTANCES, EnsembleDetector
 from training.deployable import attack_family, equal_shares, with_family
 from training.experiments import Samples, Split
-from training.pipeline import PipelineRun
+from training.pipeline import PipelineRun, add_precomputed
 
 UNSEEN_TRAIN = "fgm-eps0.1"
 # (novelty tail, margin tail) pairs of the unseen table; the deployed table's rows below.
 TAILS = [(0.05, 0.0), (0.025, 0.025), (0.02, 0.02), (0.015, 0.015), (0.01, 0.01), (0.02, 0.01)]
+# (novelty, margin, penultimate) tails of the unseen table's rows with the penultimate part.
+PENULTIMATE_TAILS = [
+    (0.025, 0.025, 0.025),
+    (0.02, 0.02, 0.01),
+    (1 / 60, 1 / 60, 1 / 60),
+    (0.015, 0.015, 0.015),
+    (0.0125, 0.0125, 0.025),
+]
 FOREST_RULES = {"class OR general": True, "general alone": False}  # -> class_conditional
 DEPLOYED = {
     "class OR general, class mean 0.025 + margin 0.025": dict(
@@ -44,6 +54,9 @@ DEPLOYED = {
     ),
     "class OR general, nearest 0.025 + margin 0.025": dict(
         class_conditional=True, novelty_distance="nearest"
+    ),
+    "class OR general, nearest 0.025 + margin 0.025 + penultimate 0.025": dict(
+        class_conditional=True, novelty_distance="nearest", penultimate_tail=0.025
     ),
     "general alone, class mean 0.025 + margin 0.025": dict(
         class_conditional=False, novelty_distance="class-mean"
@@ -114,25 +127,30 @@ def unseen_table(run: PipelineRun, name: str, proxies: dict[str, Samples]) -> No
     clean, attacked = unseen_pairs(run, name, data.clean, data.attacks[UNSEEN_TRAIN])
     others = [k for k in data.attacks if k != UNSEEN_TRAIN]
     print(f"\nUnseen / OOD analog ({name}; forests on {UNSEEN_TRAIN}), balanced accuracy at 0.5:\n")
-    header = ["forests", "novelty", "novelty tail", "margin tail", "clean FPR", *others]
+    header = ["forests", "novelty", "novelty tail", "margin tail", "penultimate tail", "clean FPR"]
+    header += others
     print("| " + " | ".join([*header, "attack mean", *proxies, "stand-in mean"]) + " |")
     print("|---" + "|---:" * (len(header) + len(proxies) + 1) + "|")
-    # every forest rule with the class-mean distance; class OR general with each other distance
-    rows = [(rule, "class-mean") for rule in FOREST_RULES]
-    rows += [("class OR general", d) for d in NOVELTY_DISTANCES if d != "class-mean"]
+    # every forest rule with the class-mean distance; class OR general with each other distance;
+    # then class OR general, nearest, with the penultimate part
+    without = [(t, m, 0.0) for t, m in TAILS]
+    rows = [(rule, "class-mean", without) for rule in FOREST_RULES]
+    rows += [("class OR general", d, without) for d in NOVELTY_DISTANCES if d != "class-mean"]
+    rows += [("class OR general", "nearest", PENULTIMATE_TAILS)]
     forests: dict[str, TransportDetector] = {}  # the same forests for every row of a rule
-    for rule, distance in rows:
-        for tail, margin_tail in TAILS:
+    for rule, distance, tails in rows:
+        for tail, margin_tail, penultimate_tail in tails:
             detector = EnsembleDetector(
                 tail=tail,
                 margin_tail=margin_tail,
                 class_conditional=FOREST_RULES[rule],
                 novelty_distance=distance,
+                penultimate_tail=penultimate_tail,
                 n_jobs=-1,
             )
             detector.fit_samples(clean, attacked, forests=forests.get(rule))
             forests[rule] = detector.forests_
-            cells = [rule, distance, f"{tail:g}", f"{margin_tail:g}"]
+            cells = [rule, distance, f"{tail:g}", f"{margin_tail:g}", f"{penultimate_tail:.4g}"]
             cells += unseen_cells(detector, val(data.clean), [val(data.attacks[k]) for k in others])
             cells += unseen_cells(detector, val(data.clean), list(proxies.values()))[1:]
             print("| " + " | ".join(cells) + " |", flush=True)
@@ -147,6 +165,7 @@ def deployed_analog(
     split, is_fit, _ = validation_cut(run, name)
     fit = masker(is_fit)
     parts = [with_family(fit(a), attack_family(run.config, k)) for k, a in attacks.items()]
+    params = {"penultimate_tail": 0.0, **params}  # the part only where a row names it
     detector = EnsembleDetector(n_jobs=-1, **params).fit_samples(
         fit(clean), equal_shares(parts, seed=0)
     )
@@ -200,6 +219,7 @@ def ood_proxies(run: PipelineRun, name: str, clean: Samples) -> dict[str, Sample
         proxies[key] = Samples(
             key, batch, features, logits.argmax(1), np.arange(len(batch)),
             feature_names=clean.feature_names,
+            extra=EnsembleDetector().precompute(run.model(name), batch),
         )  # fmt: skip
     return proxies
 
@@ -225,6 +245,10 @@ def open_run(args: argparse.Namespace) -> tuple[PipelineRun, str]:
 
 def main() -> None:
     run, name = open_run(run_arguments(__doc__.splitlines()[0]).parse_args())
+    data = run.samples(name)  # every set with its penultimate embedding (cached in the run)
+    add_precomputed(
+        run, name, EnsembleDetector(), [data.clean, *data.attacks.values(), *data.ood.values()]
+    )
     _, _, is_validation = validation_cut(run, name)
     proxies = ood_proxies(run, name, masker(is_validation)(run.samples(name).clean))
     unseen_table(run, name, proxies)

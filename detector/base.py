@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
 
 import numpy as np
 from sklearn.base import BaseEstimator
@@ -30,6 +30,9 @@ from torch import nn
 
 from detector.artefacts import save_arrays, write_json
 from detector.errors import ConfigError, InputError, NotFittedError
+
+if TYPE_CHECKING:
+    from detector.features import FeatureSpec
 
 DEFAULT_VOTE_THRESHOLD = 0.5  # forests flag an input when more than half of the trees vote so
 ARRAYS_FILE = "detector.safetensors"
@@ -147,6 +150,16 @@ class Detector(BaseEstimator):
         """The ``samples.extra`` keys :meth:`precompute` returns (none by default), so a cache of
         them can be checked before anything is computed."""
         return []
+
+    def serving_features(self, spec: FeatureSpec) -> FeatureSpec:
+        """The features the fitted detector reads where it is served, given ``spec``, those it
+        was fitted on (the same by default; a detector may append columns it computes there)."""
+        return spec
+
+    def serving_rows(self, samples: SampleSet) -> np.ndarray:
+        """The feature matrix the fitted detector's torch form reads for ``samples``: what the
+        Guard computes with :meth:`serving_features` (the samples' features by default)."""
+        return np.asarray(samples.features)
 
     def with_seed(self: Self, seed: int) -> Self:
         """An unfitted copy with ``random_state=seed`` (when it has one) that shares what

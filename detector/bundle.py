@@ -66,6 +66,7 @@ class DetectorSpec(BaseModel):
     image: bool = False
     squeeze: bool = False
     second: bool = False
+    penultimate: int = Field(default=0, ge=0)  # the penultimate embedding's width (0: none)
 
     @property
     def feature_spec(self) -> FeatureSpec:

@@ -11,8 +11,11 @@ Rademacher signs, orthogonal to 1 and nearly orthogonal to each other); the same
 embeddings x_{m+1} (each block's output; seed 003 §5.3.1 allows embeddings as well as residues);
 the line-shape score of the trajectory (seed 001, eq. 43-44); what enters the network (the input
 image itself) and where the trajectory starts (x_0, the first block's input): for each, its msq and
-cos and how its energy spreads over the image (:func:`spatial_statistics`); and where it ends for
-the classifier (head: top-1 minus top-2 logit margin, max softmax probability, log-sum-exp).
+cos and how its energy spreads over the image (:func:`spatial_statistics`); where it ends for
+the classifier (head: top-1 minus top-2 logit margin, max softmax probability, log-sum-exp); and
+the penultimate embedding itself (the input of the network's last linear layer, scaled to unit
+length: the representation deep nearest-neighbour OOD detection compares, Sun et al. 2022), the
+last columns when asked for.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ SPATIAL_NAMES = (
 )  # fmt: skip
 IMAGE_NAMES = tuple(f"image_{name}" for name in SPATIAL_NAMES)
 START_NAMES = tuple(f"start_{name}" for name in SPATIAL_NAMES)
+PENULTIMATE_PREFIX = "pen_"
 ENERGY_QUANTILES = (0.05, 0.25, 0.5)
 SPREAD_QUANTILES = (0.1, 0.25, 0.5)
 
@@ -63,10 +67,11 @@ def feature_names(
     image: bool = False,
     squeeze: bool = False,
     second: bool = False,
+    penultimate: int = 0,
 ) -> list[str]:
     """Column names, block-major: msq_0, cos_0, msq_1, cos_1, ..., cos_{m}_dir{j}; then with
     ``embeddings`` the same named emb_*; then line_shape; then the image_*, start_*, head,
-    squeeze_* and second_* columns."""
+    squeeze_* and second_* columns; last, the ``penultimate`` embedding's pen_0, pen_1, ..."""
     names = _group_names("", n_blocks, extra_directions)
     if embeddings:
         names += _group_names("emb_", n_blocks, extra_directions)
@@ -82,6 +87,7 @@ def feature_names(
         names += SQUEEZE_NAMES
     if second:
         names += OPINION_NAMES
+    names += [f"{PENULTIMATE_PREFIX}{i}" for i in range(penultimate)]
     return names
 
 
@@ -91,9 +97,10 @@ class FeatureSpec:
     ones), how many extra +-1 directions, and which groups are appended: the embeddings' statistics,
     the line-shape score, the input image's and the trajectory's start x_0's
     :func:`spatial_statistics`, the head's (logit margin, max probability, log-sum-exp), how
-    far the softmax moves under :mod:`detector.squeeze`'s squeezers (a forward pass each), and a
+    far the softmax moves under :mod:`detector.squeeze`'s squeezers (a forward pass each), a
     second network's opinion of the prediction (:mod:`detector.opinion`; the extractor needs
-    that network)."""
+    that network), and, last, the ``penultimate`` embedding of that width (0: none; the
+    extractor checks it against the network's last linear layer)."""
 
     taps: tuple[str, ...] | None = None
     extra_directions: int = 0
@@ -104,12 +111,15 @@ class FeatureSpec:
     image: bool = False
     squeeze: bool = False
     second: bool = False
+    penultimate: int = 0
 
     def __post_init__(self) -> None:
         if self.taps is not None and not isinstance(self.taps, tuple):
             object.__setattr__(self, "taps", tuple(self.taps))
         if self.extra_directions < 0:
             raise InputError(f"extra_directions must be >= 0, got {self.extra_directions}")
+        if self.penultimate < 0:
+            raise InputError(f"penultimate must be >= 0, got {self.penultimate}")
 
     def tap_names(self, model: nn.Module) -> list[str]:
         """The residual taps these features read on ``model`` (its default ones when None)."""
@@ -127,11 +137,12 @@ class FeatureSpec:
             image=self.image,
             squeeze=self.squeeze,
             second=self.second,
+            penultimate=self.penultimate,
         )
 
     def label(self) -> str:
         """'residues', then '+emb', '+dir4', '+line', '+image', '+start', '+head', '+squeeze',
-        '+second'."""
+        '+second', '+pen'."""
         parts = ["residues"]
         parts += ["emb"] if self.embeddings else []
         parts += [f"dir{self.extra_directions}"] if self.extra_directions else []
@@ -141,6 +152,7 @@ class FeatureSpec:
         parts += ["head"] if self.head else []
         parts += ["squeeze"] if self.squeeze else []
         parts += ["second"] if self.second else []
+        parts += ["pen"] if self.penultimate else []
         return "+".join(parts)
 
 
@@ -152,6 +164,28 @@ def embedding_tap(residual_tap: str) -> str:
             "embedding) cannot be tapped; use FeatureSpec(embeddings=False)"
         )
     return residual_tap.rsplit(".", 1)[0]
+
+
+def penultimate_tap(model: nn.Module) -> str:
+    """The name of the network's last linear layer, whose input is the penultimate embedding."""
+    linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if not linear:
+        raise ConfigError(
+            f"{type(model).__name__} has no linear layer: it has no penultimate embedding"
+        )
+    return linear[-1]
+
+
+def penultimate_width(model: nn.Module) -> int:
+    """The width of the network's penultimate embedding (its last linear layer's inputs)."""
+    return int(dict(model.named_modules())[penultimate_tap(model)].in_features)
+
+
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each sample's values flattened and scaled to unit Euclidean length (0 stays 0), float32."""
+    z = x.flatten(1).float()
+    norm = torch.linalg.vector_norm(z, dim=1, keepdim=True)
+    return z / torch.where(norm > 0, norm, torch.ones_like(norm))
 
 
 def sign_directions(dim: int, count: int, *, seed: int = DIRECTION_SEED) -> torch.Tensor:
@@ -217,6 +251,11 @@ class TransportFeatureExtractor:
             transform=self._keep,
         )
         self._squeezed: torch.Tensor | None = None
+        self._penultimate = Taps(
+            model,
+            [Tap(_checked_penultimate(model, self.spec), "input")] if self.spec.penultimate else [],
+            transform=unit_rows,
+        )
         # Second opinion: the pass's input and logits with their graph (an attacker's gradient).
         self._opinion_source = Taps(
             model,
@@ -264,6 +303,7 @@ class TransportFeatureExtractor:
             (self._start, self.spec.start),
             (self._squeeze_source, self.spec.squeeze),
             (self._opinion_source, self.spec.second),
+            (self._penultimate, bool(self.spec.penultimate)),
             (self._pass_start, self.line_shape),
         )
         for taps, on in wanted:
@@ -285,6 +325,7 @@ class TransportFeatureExtractor:
             self._head,
             self._squeeze_source,
             self._opinion_source,
+            self._penultimate,
         )
 
     def _keep(self, value: torch.Tensor) -> torch.Tensor:
@@ -392,6 +433,8 @@ class TransportFeatureExtractor:
         if self.spec.second:
             x, logits = self._opinion_source.outputs
             parts.append(second_opinion(self.second, x, logits.argmax(1)))  # type: ignore[arg-type]
+        if self.spec.penultimate:
+            parts.append(self._penultimate.outputs[0])
         return torch.cat(parts, dim=1)
 
 
@@ -407,6 +450,17 @@ def _checked_second(
     if second is not None and second is model:
         raise ConfigError("the second network must be another network than the deployed one")
     return second
+
+
+def _checked_penultimate(model: nn.Module, spec: FeatureSpec) -> str:
+    """The last linear layer of a network whose penultimate width is the spec's, or ConfigError."""
+    width = penultimate_width(model)
+    if width != spec.penultimate:
+        raise ConfigError(
+            f"the feature set holds a {spec.penultimate}-wide penultimate embedding, but this "
+            f"network's last linear layer reads {width} values: it belongs to another network"
+        )
+    return penultimate_tap(model)
 
 
 def _group_columns(per_tap: list[torch.Tensor]) -> list[torch.Tensor]:

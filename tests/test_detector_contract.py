@@ -105,7 +105,7 @@ def test_every_detector_fits_and_scores_through_the_contract(
         return
     both = [held_out, test_noise]
     numpy_scores = np.concatenate([detector.score_samples(s) for s in both])
-    features = torch.from_numpy(np.concatenate([s.features for s in both]))
+    features = torch.from_numpy(np.concatenate([detector.serving_rows(s) for s in both]))
     predicted = torch.from_numpy(np.concatenate([s.predicted for s in both]))
     with torch.inference_mode():
         torch_scores = detector.to_torch()(features, predicted).numpy()

@@ -28,7 +28,7 @@ from detector.registry import get_detector, load_detector
 from training.attacks import network_config
 from training.deployable import SPLIT_SEED, deploy_parts, equal_shares
 from training.experiments import Samples, Split, on_all_cores
-from training.pipeline import PipelineRun
+from training.pipeline import PipelineRun, add_precomputed
 
 TARGET_FILE = "target.json"
 BOOTSTRAP_SHARE = 0.8
@@ -143,6 +143,9 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
         detectors = [load_detector(out / f"member-{k}") for k in range(spec.members)]
         calibrations = [Calibration.from_dict(c) for c in info["calibrations"]]
     else:
+        add_precomputed(
+            run, name, get_detector(spec.detector), [data.clean, *data.attacks.values()]
+        )
         clean_train = split.train(data.clean)
         attacked = deploy_parts(config, data.attacks, split)
         detectors, calibrations = [], []
@@ -154,7 +157,12 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
             )
             detector.fit_samples(clean, abnormal)
             guard = Guard.from_run(
-                model, detector, np.inf, features=features, device=run.device, second=second
+                model,
+                detector,
+                np.inf,
+                features=detector.serving_features(features),
+                device=run.device,
+                second=second,
             )
             scores = guard.predict(split.calibration(data.clean).images).scores
             calibrations.append(
@@ -171,6 +179,7 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
                 "split_seed": SPLIT_SEED,
             },
         )
+    features = detectors[0].serving_features(features)  # every member reads the same
     return assemble_target(
         model, spec, detectors, calibrations, features, device=run.device, second=second
     )

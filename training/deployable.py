@@ -24,7 +24,7 @@ from detector.features import FeatureSpec
 from detector.guard import Guard
 from detector.registry import detector_info, get_detector, list_detectors, load_detector
 from training.experiments import Samples, Split, concat
-from training.pipeline import PipelineRun, on_all_cores, read_pipeline_config
+from training.pipeline import PipelineRun, add_precomputed, on_all_cores, read_pipeline_config
 from training.presets.pipelines import PipelineConfig
 from training.rundir import RunDir
 
@@ -59,9 +59,11 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
     data = run.samples(name)
     keys = deploy_keys(config, data.attacks)
     split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
+    unfitted = on_all_cores(get_detector(detector))
+    add_precomputed(run, name, unfitted, [data.clean, *data.attacks.values(), *data.ood.values()])
     abnormal = equal_shares(deploy_parts(config, data.attacks, split), seed=SPLIT_SEED)
-    fitted = on_all_cores(get_detector(detector)).fit_samples(split.train(data.clean), abnormal)
-    spec = run.feature_spec(name)
+    fitted = unfitted.fit_samples(split.train(data.clean), abnormal)
+    spec = fitted.serving_features(run.feature_spec(name))
     guard = Guard.from_run(
         run.model(name),
         fitted,

@@ -319,23 +319,25 @@ def _protocol_detectors(run: PipelineRun, name: str, data: NetworkSamples) -> li
                 seed=1,
             )
             detector.prepare(run.model(name), clean_x, clean_y)
-        if detector.precompute_keys():
-            for samples in (data.clean, *data.attacks.values(), *data.ood.values()):
-                _add_precomputed(run, name, detector, samples)
+        add_precomputed(
+            run, name, detector, [data.clean, *data.attacks.values(), *data.ood.values()]
+        )
     return detectors
 
 
-def _add_precomputed(run: PipelineRun, name: str, detector: Any, samples: Samples) -> None:
-    """A detector's per-row arrays of a sample set, computed once and cached."""
-    path = run.dir.precomputed(name, detector.info.name, samples.name)
+def add_precomputed(run: PipelineRun, name: str, detector: Detector, sets: list[Samples]) -> None:
+    """A detector's per-row arrays (:meth:`~detector.base.Detector.precompute`) of each sample
+    set of network ``name``, added to its ``extra``; computed once and cached on disk."""
     keys = detector.precompute_keys()
-    if path.is_file():
-        cached = artefacts.load_npz(path)
-        if all(k in cached for k in keys) and len(cached[keys[0]]) == len(samples):
-            samples.extra.update({k: cached[k] for k in keys})
-            return
-    samples.extra.update(detector.precompute(run.model(name), samples.images))
-    artefacts.save_npz(path, **{k: samples.extra[k] for k in keys})
+    for samples in sets if keys else []:
+        path = run.dir.precomputed(name, detector.info.name, samples.name)
+        if path.is_file():
+            cached = artefacts.load_npz(path)
+            if all(k in cached for k in keys) and len(cached[keys[0]]) == len(samples):
+                samples.extra.update({k: cached[k] for k in keys})
+                continue
+        samples.extra.update(detector.precompute(run.model(name), samples.images))
+        artefacts.save_npz(path, **{k: samples.extra[k] for k in keys})
 
 
 def _noisy_copies(run: PipelineRun, name: str, eps: float = 0.1) -> Samples:
