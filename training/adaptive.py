@@ -92,17 +92,19 @@ def build_attacker(run: PipelineRun, name: str, target: Target, *, surrogate: bo
     rng = np.random.default_rng(SPLIT_SEED)
     clean = split.train(data.clean)
     reference = clean.subsample(REFERENCE_IMAGES, rng)
+    served = target.detectors[0].serving_rows  # the columns the target's Guard computes
     attacker = Attacker(
-        run.model(name), target, reference.images, reference.features, reference.predicted
+        run.model(name), target, reference.images, served(reference), reference.predicted
     )
     if surrogate:
         attacked = equal_shares([split.train(a) for a in data.attacks.values()], seed=SPLIT_SEED)
         rows = concat([clean, attacked])
-        margins = target_margins(target, rows.features, rows.predicted)
+        features = served(rows)
+        margins = target_margins(target, features, rows.predicted)
         classes = network_config(attacker.model).num_classes
-        attacker.surrogate = distill(rows.features, rows.predicted, margins, classes)
+        attacker.surrogate = distill(features, rows.predicted, margins, classes)
         attacker.surrogate_agreement = agreement(
-            attacker.surrogate, rows.features, rows.predicted, margins
+            attacker.surrogate, features, rows.predicted, margins
         )
     return attacker
 

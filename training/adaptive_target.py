@@ -138,14 +138,13 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
     model, second = run.model(name), run.second_model(name, features)
     split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
     saved = out / TARGET_FILE
+    # the per-row arrays its detector reads (the ensemble's penultimate embedding), cached
+    add_precomputed(run, name, get_detector(spec.detector), [data.clean, *data.attacks.values()])
     if saved.is_file():
         info = artefacts.read_json(saved, what="adaptive target")
         detectors = [load_detector(out / f"member-{k}") for k in range(spec.members)]
         calibrations = [Calibration.from_dict(c) for c in info["calibrations"]]
     else:
-        add_precomputed(
-            run, name, get_detector(spec.detector), [data.clean, *data.attacks.values()]
-        )
         clean_train = split.train(data.clean)
         attacked = deploy_parts(config, data.attacks, split)
         detectors, calibrations = [], []

@@ -1,0 +1,47 @@
+"""The adaptive attacker on a finished run: the deployed ensemble as its target reads the same
+columns (trajectory features + penultimate embedding) in its Guard, in the attacker's
+knowledge and in the surrogate it distils."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from detector.features import penultimate_width
+from training.adaptive import build_attacker, target_margins
+from training.adaptive_target import TargetSpec, fit_target
+from training.pipeline import PipelineRun
+
+pytestmark = pytest.mark.slow  # the smoke run
+
+
+def test_an_ensemble_target_and_its_attacker_read_the_penultimate_embedding(
+    smoke_run: Path, tmp_path: Path
+) -> None:
+    run_dir = shutil.copytree(smoke_run, tmp_path / "run")
+    run = PipelineRun.open(run_dir, progress=False)
+    name = run.config.deploy_model
+    target = fit_target(run, name, TargetSpec("ensemble"))
+    width = penultimate_width(run.model(name))
+    assert target.features.penultimate == width
+    assert target.guard.feature_names[-width:] == [f"pen_{i}" for i in range(width)]
+
+    attacker = build_attacker(run, name, target, surrogate=True)
+    assert attacker.reference_features.shape[1] == len(target.guard.feature_names)
+    assert attacker.surrogate_agreement is not None and attacker.surrogate_agreement > 0.5
+
+    # What the attacker computes from rows is what the Guard answers for the images.
+    clean = run.samples(name).clean.take(np.arange(30))
+    rows = target.detectors[0].serving_rows(clean)
+    expected = target.guard.predict(clean.images).scores - target.calibrations[0].threshold
+    np.testing.assert_allclose(target_margins(target, rows, clean.predicted), expected, atol=1e-5)
+
+    # Resumed from disk (a fresh process), the target serves the same columns and scores.
+    again = fit_target(PipelineRun.open(run_dir, progress=False), name, TargetSpec("ensemble"))
+    assert again.features == target.features
+    np.testing.assert_allclose(
+        again.guard.predict(clean.images).scores, target.guard.predict(clean.images).scores
+    )
