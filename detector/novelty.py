@@ -79,12 +79,12 @@ from detector.errors import ArtefactError, InputError
 from detector.features import FeatureSpec, check_features
 from detector.forest import TransportDetector
 from detector.margin import MARGIN_FEATURE, MarginScorer, check_margin_arrays, margin_arrays
+from detector.nearest import clean_cdf, nearest_distance
 from detector.penultimate import (
     PENULTIMATE_KEY,
     EmbeddingScorer,
     check_embedding_arrays,
     embedding_arrays,
-    nearest_distance,
     penultimate_embedding,
 )
 from detector.registry import register_detector
@@ -165,9 +165,7 @@ class NoveltyScorer(nn.Module):
     def forward(
         self, features: torch.Tensor, predicted: torch.Tensor | None = None
     ) -> torch.Tensor:
-        d = self.distance(features, predicted)
-        rank = torch.searchsorted(self.reference, d.contiguous(), right=True)
-        return rank.to(torch.float32) / self.reference.numel()
+        return clean_cdf(self.reference, self.distance(features, predicted))
 
 
 def _whitening(precision: np.ndarray) -> np.ndarray:

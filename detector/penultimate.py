@@ -26,26 +26,9 @@ from torch import nn
 
 from detector.errors import ArtefactError, InputError
 from detector.features import FeatureSpec, extract_features, penultimate_width
+from detector.nearest import clean_cdf, nearest_distance
 
 PENULTIMATE_KEY = "penultimate"  # the embedding's key in ``samples.extra``
-_CHUNK = 1024  # rows per distance block (the nearest-sample distance is [chunk, N_clean])
-
-
-def nearest_distance(
-    queries: torch.Tensor, points: torch.Tensor, *, exclude_self: bool = False
-) -> torch.Tensor:
-    """Squared Euclidean distance of each query row to its nearest row of ``points`` (the
-    second nearest with ``exclude_self``: the queries ARE the points), in blocks of rows."""
-    k = 2 if exclude_self else 1
-    if len(points) < k:
-        raise InputError(f"the nearest-sample distance needs at least {k} clean samples")
-    out = [
-        torch.cdist(block, points, compute_mode="donot_use_mm_for_euclid_dist")
-        .topk(k, dim=1, largest=False)
-        .values[:, k - 1]
-        for block in queries.split(_CHUNK)
-    ]
-    return torch.cat(out).square() if out else queries.new_zeros(0)
 
 
 def penultimate_embedding(
@@ -106,6 +89,4 @@ class EmbeddingScorer(nn.Module):
             raise InputError(
                 f"fitted on {self.points.shape[1]}-wide embeddings, got {tuple(embedding.shape)}"
             )
-        d = nearest_distance(embedding.float(), self.points)
-        rank = torch.searchsorted(self.reference, d.contiguous(), right=True)
-        return rank.to(torch.float32) / self.reference.numel()
+        return clean_cdf(self.reference, nearest_distance(embedding.float(), self.points))
