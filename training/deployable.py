@@ -9,6 +9,7 @@ flag rates, split) and ``heldout_scores.npz`` (the Guard's score of every held-o
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -21,16 +22,20 @@ from detector.bundle import write_bundle
 from detector.calibration import Calibration
 from detector.errors import ArtefactError, ConfigError
 from detector.features import FeatureSpec
+from detector.forest import TransportDetector
 from detector.guard import Guard
+from detector.novelty import EnsembleDetector
 from detector.registry import detector_info, get_detector, list_detectors, load_detector
 from training.experiments import Samples, Split, concat
 from training.pipeline import PipelineRun, add_precomputed, on_all_cores, read_pipeline_config
 from training.presets.pipelines import PipelineConfig
 from training.rundir import RunDir
+from training.synthetic_outliers import SYNTHETIC_TRANSFORMS, synthetic_outliers
 
 DEPLOYABLE_FILE = "deployable.json"
 HELDOUT_SCORES_FILE = "heldout_scores.npz"
 SPLIT_SEED = 0
+SYNTHETIC_FAMILY = "synthetic"  # the family name of the synthetic outliers' rows
 
 
 def deployable_detectors() -> list[str]:
@@ -53,7 +58,8 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
         )
     out = run.dir.detector_dir
     saved = out / DEPLOYABLE_FILE
-    if saved.is_file() and artefacts.read_json(saved).get("kind") == detector:
+    n_synthetic = run.config.deploy_synthetic_outliers if detector == "ensemble" else 0
+    if _fitted_as(saved, detector, n_synthetic):
         return out
     config, name = run.config, run.config.deploy_model
     data = run.samples(name)
@@ -62,7 +68,10 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
     unfitted = on_all_cores(get_detector(detector))
     add_precomputed(run, name, unfitted, [data.clean, *data.attacks.values(), *data.ood.values()])
     abnormal = equal_shares(deploy_parts(config, data.attacks, split), seed=SPLIT_SEED)
-    fitted = unfitted.fit_samples(split.train(data.clean), abnormal)
+    synthetic = synthetic_part(run, name, split, n_synthetic)
+    if synthetic is not None:
+        add_precomputed(run, name, unfitted, [synthetic])
+    fitted = fit_with_outliers(unfitted, split.train(data.clean), abnormal, synthetic)
     spec = fitted.serving_features(run.feature_spec(name))
     guard = Guard.from_run(
         run.model(name),
@@ -94,6 +103,10 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
             "train_attacks": keys,
             "train_pairs_per_attack": len(abnormal) // len(keys),
             "families": list(getattr(fitted, "family_names_", [])),
+            "synthetic_outliers": {
+                "rows": 0 if synthetic is None else len(synthetic),
+                "transforms": list(SYNTHETIC_TRANSFORMS) if synthetic is not None else [],
+            },
             "calibration": calibration.to_dict(),
             "features": asdict(spec),
             "heldout": _heldout_rates(scores, successful, calibration.threshold)
@@ -105,6 +118,52 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
         },
     )
     return out
+
+
+def _fitted_as(saved: Path, detector: str, n_synthetic: int) -> bool:
+    """Whether ``saved`` (a deployable.json) describes detector ``detector`` fitted with
+    ``n_synthetic`` synthetic outliers."""
+    if not saved.is_file():
+        return False
+    previous = artefacts.read_json(saved)
+    rows = previous.get("synthetic_outliers", {}).get("rows", 0)
+    return bool(previous.get("kind") == detector and rows == n_synthetic)
+
+
+def synthetic_part(run: PipelineRun, name: str, split: Split, n: int) -> Samples | None:
+    """``n`` synthetic outliers (:mod:`training.synthetic_outliers`, one row per source image)
+    of seeded training-side clean images of network ``name``, each row marked as of family
+    ``synthetic``; None when ``n`` is 0. Their features are cached in the run."""
+    if not n:
+        return None
+    clean = split.train(run.samples(name).clean)
+    if n > len(clean):
+        raise ConfigError(
+            f"deploy_synthetic_outliers is {n}, but the training side has {len(clean)} clean images"
+        )
+    chosen = np.sort(np.random.default_rng(SPLIT_SEED).permutation(len(clean))[:n])
+    spec = run.model(name).config.input_spec  # type: ignore[union-attr]
+    images, _ = synthetic_outliers(clean.images[chosen], spec.value_range, seed=SPLIT_SEED)
+    indices = clean.indices[chosen]
+    digest = hashlib.sha256(np.ascontiguousarray(indices, np.int64).tobytes()).hexdigest()[:12]
+    samples = run.image_samples(name, f"synthetic-{n}-{digest}", images, indices)
+    return with_family(replace(samples, success=np.ones(n, bool)), SYNTHETIC_FAMILY)
+
+
+def fit_with_outliers(
+    unfitted: Detector, clean: Samples, abnormal: Samples, synthetic: Samples | None
+) -> Detector:
+    """``unfitted`` fitted on the clean and abnormal rows; with synthetic outliers (an ensemble
+    only; their precomputed arrays already added), they train their own family's forests but not
+    the pooled ones, which see the attacks only (pooled forests trained on both flag fewer
+    minimal-perturbation images: benchmarks/RESULTS.md)."""
+    if synthetic is None:
+        return unfitted.fit_samples(clean, abnormal)
+    if not isinstance(unfitted, EnsembleDetector):
+        raise ConfigError("synthetic outliers are a family of the ensemble detector only")
+    forests = TransportDetector(**unfitted.forest_params()).fit_samples(clean, abnormal)
+    both = concat([abnormal, synthetic], "abnormal")
+    return unfitted.fit_samples(clean, both, forests=forests)
 
 
 def deploy_parts(

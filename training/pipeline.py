@@ -183,6 +183,17 @@ class PipelineRun:
             )
         return self._samples[name]
 
+    def image_samples(
+        self, name: str, set_name: str, images: np.ndarray, indices: np.ndarray
+    ) -> Samples:
+        """Samples of network ``name`` on images outside the config's sets (the deployed
+        detector's synthetic outliers), in the columns of its chosen feature set; the features
+        are cached under ``set_name``, which must name these very images."""
+        f, predicted, _ = self._features(name, set_name, set_name, images)
+        names = self.union.names(self._blocks(name))
+        samples = Samples(set_name, images, f, predicted, np.asarray(indices))
+        return restrict(samples, spec_columns(self.feature_spec(name), names), names)
+
     def _blocks(self, name: str) -> int:
         return len(self.union.tap_names(self.model(name)))
 

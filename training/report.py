@@ -667,7 +667,13 @@ def _calibration_note(
         target_text += f" with {100 * confidence:g}% confidence (Clopper-Pearson bound)"
     families = info.get("families") or []
     if families:
-        trained += f" (plus one forest set per attack family: {', '.join(families)})"
+        trained += f" (plus one forest set per family: {', '.join(families)})"
+    synthetic = info.get("synthetic_outliers") or {}
+    if synthetic.get("rows"):
+        trained += (
+            f", and {synthetic['rows']} synthetic outliers made from training-side clean images "
+            f"({', '.join(synthetic.get('transforms', []))}) as a family of their own"
+        )
     return (
         f"The detector that ships in the bundle: {kind} on {MODEL_LABELS.get(network, network)}, "
         f"trained on {trained}, flagging a score above {at}, calibrated for {target_text} on "

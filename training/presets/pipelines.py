@@ -112,6 +112,9 @@ class PipelineConfig(BaseModel):
     deploy_attacks: list[str] | None = (
         None  # attack keys the deployed detector is trained on (default: all)
     )
+    # Synthetic outliers (training/synthetic_outliers.py) the deployed ensemble also learns, as
+    # one more family beside the attacks: made from this many training-side clean images (0: none).
+    deploy_synthetic_outliers: int = Field(0, ge=0)
     # Attack keys whose learning curve (seen-setting accuracy of the transport detector on the
     # deploy network vs the number of training pairs) the evaluation measures.
     learning_curve_attacks: list[str] = Field(default_factory=list)
