@@ -213,15 +213,25 @@ def ood_proxies(run: PipelineRun, name: str, clean: Samples) -> dict[str, Sample
         "rot90": np.ascontiguousarray(np.rot90(x, 1, axes=(2, 3))),
         "shuffled": shuffled,
     }
-    proxies = {}
-    for key, batch in images.items():
-        features, logits = run.extract(name, batch)
-        proxies[key] = Samples(
-            key, batch, features, logits.argmax(1), np.arange(len(batch)),
-            feature_names=clean.feature_names,
-            extra=EnsembleDetector().precompute(run.model(name), batch),
-        )  # fmt: skip
-    return proxies
+    return {k: image_samples(run, name, k, v, clean.feature_names) for k, v in images.items()}
+
+
+def image_samples(
+    run: PipelineRun,
+    name: str,
+    key: str,
+    images: np.ndarray,
+    feature_names: tuple[str, ...] | None = None,
+) -> Samples:
+    """Samples of ``images`` (rows 0..N-1) with the run's features and the ensemble's
+    precomputed arrays."""
+    batch = np.ascontiguousarray(images, np.float32)
+    features, logits = run.extract(name, batch)
+    return Samples(
+        key, batch, features, logits.argmax(1), np.arange(len(batch)),
+        feature_names=feature_names,
+        extra=EnsembleDetector().precompute(run.model(name), batch),
+    )  # fmt: skip
 
 
 def masker(mask: np.ndarray) -> Callable[[Samples], Samples]:

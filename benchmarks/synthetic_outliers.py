@@ -31,21 +31,13 @@ from training.synthetic_outliers import SYNTHETIC_TRANSFORMS, synthetic_outliers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402
     deployed_cells,
+    image_samples,
     masker,
     ood_proxies,
     open_run,
     run_arguments,
     validation_cut,
 )
-
-
-def image_samples(run: PipelineRun, name: str, key: str, images: np.ndarray) -> Samples:
-    """Samples of ``images`` with the run's features and the ensemble's precomputed arrays."""
-    images = np.ascontiguousarray(images, np.float32)
-    features, logits = run.extract(name, images)
-    extra = EnsembleDetector().precompute(run.model(name), images)
-    n = len(images)
-    return Samples(key, images, features, logits.argmax(1), np.arange(n), np.ones(n, bool), extra)
 
 
 def quarters_shuffled(images: np.ndarray, seed: int = 0) -> np.ndarray:
