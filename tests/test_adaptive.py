@@ -17,6 +17,7 @@ from training.adaptive_attacks import (
     Attacker,
     get_adaptive_spec,
     list_adaptive_attacks,
+    matched_features,
     run_adaptive,
 )
 from training.adaptive_target import DetectorPool, TargetSpec, assemble_target
@@ -126,6 +127,30 @@ def test_system_hsj_returns_the_start_or_an_image_the_system_passes(
     moved = np.abs(out - x_start).reshape(len(x), -1).max(axis=1) > 1e-6
     assert ((labels == wanted) & ~flagged)[moved].all()
     assert (np.abs(out - x_start)[~moved] <= 1e-6).all()
+
+
+def test_feature_matching_also_matches_the_penultimate_embedding_of_its_clean_start(
+    system: dict,
+) -> None:
+    """Against a detector that does not read the penultimate embedding, eq. (42) matches the
+    target's columns as they are, followed by the embedding of the clean reference row
+    HopSkipJump started from (a row without one keeps its own); 'none' matches the target's
+    columns only."""
+    a, x_start = system["attacker"], system["x_adv"]
+    z, _ = a.features(x_start)
+    starts = np.array([0, 5, -1, 7])
+    matched = matched_features(a, x_start, z, starts, "penultimate")
+    width = a.reference_embedding().shape[1]
+    assert matched.spec.penultimate == width and not a.target.features.penultimate
+    assert matched.z_star.shape == (len(z), z.shape[1] + width) == (len(z), len(matched.scale))
+    np.testing.assert_array_equal(matched.z_star[:, : z.shape[1]], z)
+    embedding = matched.z_star[:, z.shape[1] :]
+    np.testing.assert_allclose(embedding[[0, 1, 3]], a.reference_embedding()[[0, 5, 7]])
+    own = a.features(x_start, matched.spec)[0]
+    np.testing.assert_allclose(own[:, : z.shape[1]], z, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(embedding[2], own[2, z.shape[1] :])
+    plain = matched_features(a, x_start, z, starts, "none")
+    assert plain.spec == a.target.features and plain.z_star is z
 
 
 def test_evasion_metric_by_hand() -> None:

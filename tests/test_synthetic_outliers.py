@@ -41,9 +41,12 @@ def test_each_transform_does_what_its_name_says() -> None:
     i = row["inverted"]
     np.testing.assert_allclose(out[i], np.clip(-x[i], -1, 1))  # low + high - x, range (-1, 1)
     i = row["tiles-shuffled"]  # the same 7 x 7 tiles, in another order
-    tiles = lambda a: sorted(
-        a[0, r : r + 7, c : c + 7].tobytes() for r in range(0, 28, 7) for c in range(0, 28, 7)
-    )  # noqa: E731
+
+    def tiles(a: np.ndarray) -> list[bytes]:
+        return sorted(
+            a[0, r : r + 7, c : c + 7].tobytes() for r in range(0, 28, 7) for c in range(0, 28, 7)
+        )
+
     assert tiles(out[i]) == tiles(x[i]) and not np.array_equal(out[i], x[i])
     i = row["zoomed"]  # the centre 14 x 14, each pixel now 2 x 2
     np.testing.assert_array_equal(out[i, 0, ::2, ::2], x[i, 0, 7:21, 7:21])

@@ -9,7 +9,9 @@ detector; every result is clipped to the value range.
   are the network's plus 'detected', targeted at the start's (wrong) label, from ``x_start``.
 - ``feature-match`` (attack 2): HopSkipJump on the detector alone, in standardized feature space,
   finds undetected features ``z*`` near the start's; then eq. (42),
-  ``min -L(N(x*), y) + c1 ||D(x*) - z*|| + c2 ||x* - x||``, by L-BFGS from ``x_start``.
+  ``min -L(N(x*), y) + c1 ||D(x*) - z*|| + c2 ||x* - x||``, by L-BFGS from ``x_start``. For a
+  detector that does not read the network's penultimate embedding, ``D`` and ``z*`` also hold
+  it by default (``guide``): the embedding of the clean row HopSkipJump started from.
 - ``surrogate-pgd`` / ``surrogate-opgd``: white-box PGD through a distilled differentiable
   surrogate of the detector (:mod:`training.surrogate`) under an L∞/L2 budget around ``x``:
   the summed objective, or orthogonal PGD (Bryniarski et al. 2022), which steps on the network's
@@ -20,7 +22,7 @@ detector; every result is clipped to the value range.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -29,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from detector.errors import ConfigError
-from detector.features import TransportFeatureExtractor
+from detector.features import FeatureSpec, TransportFeatureExtractor, penultimate_width
+from detector.penultimate import penultimate_embedding
 from training.adaptive_target import Target
 from training.attacks import network_config
 from training.batched_attacks import TanhBox
@@ -62,6 +65,7 @@ class Attacker:
         self.device = self.target.guard.device
         self._reference_verdict: tuple[np.ndarray, np.ndarray] | None = None
         self._passing_rows: dict[int, np.ndarray] = {}
+        self._reference_embedding: np.ndarray | None = None
 
     def reference_verdict(self) -> tuple[np.ndarray, np.ndarray]:
         """(labels, flags) of the reference images by the system, queried once."""
@@ -78,19 +82,38 @@ class Attacker:
             self._passing_rows[label] = rows[~flagged]
         return self._passing_rows[label]
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, spec: FeatureSpec | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, transport features) of ``x`` with their autograd graph: one forward pass
         through the same taps the detector reads (and through the second network, when the
-        features hold its opinion)."""
+        features hold its opinion); ``spec``: other columns than the target's."""
         second = self.target.guard.second
-        with TransportFeatureExtractor(self.model, self.target.features, second=second) as fx:
+        spec = spec or self.target.features
+        with TransportFeatureExtractor(self.model, spec, second=second) as fx:
             logits = self.model(x)
             return logits, fx.features()
 
-    def features(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def guided_spec(self) -> FeatureSpec:
+        """The target's features with the network's penultimate embedding last (as they are
+        when the detector reads it)."""
+        spec = self.target.features
+        return (
+            spec if spec.penultimate else replace(spec, penultimate=penultimate_width(self.model))
+        )
+
+    def reference_embedding(self) -> np.ndarray:
+        """The reference images' penultimate embeddings (computed once)."""
+        if self._reference_embedding is None:
+            self._reference_embedding = penultimate_embedding(self.model, self.reference_images)
+        return self._reference_embedding
+
+    def features(
+        self, x: np.ndarray, spec: FeatureSpec | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(features, predicted labels) of images ``x`` (numpy, no graph)."""
         with torch.no_grad():
-            logits, feats = self.forward(torch.from_numpy(x).to(self.device))
+            logits, feats = self.forward(torch.from_numpy(x).to(self.device), spec)
         return feats.cpu().numpy(), logits.argmax(1).cpu().numpy()
 
     def clip(self, x: np.ndarray) -> np.ndarray:
@@ -130,6 +153,12 @@ class FeatureMatchParams(AdaptiveParams):
     lbfgs_iter: int = Field(50, ge=1, description="L-BFGS iterations per c1")
     ce_cap: float = Field(
         10.0, gt=0, description="-min(L, cap): the unbounded -L would swamp the other terms"
+    )
+    guide: Literal["penultimate", "none"] = Field(
+        "penultimate",
+        description="for a detector that does not read the penultimate embedding: match it too, "
+        "to the embedding of the clean row HopSkipJump started from (L-BFGS stalls on the "
+        "trajectory features alone: see benchmarks/RESULTS.md)",
     )
 
 
@@ -288,15 +317,16 @@ def detector_flags(a: Attacker, features: np.ndarray, label: int) -> np.ndarray:
 
 def undetected_features(
     a: Attacker, z: np.ndarray, predicted: np.ndarray, p: FeatureMatchParams
-) -> np.ndarray:
-    """``z*`` per row: HopSkipJump (untargeted, 2 classes: passed/flagged) on the detector for the
-    row's predicted class, in standardized feature space, from the nearest training-side clean
-    feature row of that class the detector passes. Rows without such a start keep ``z``."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """(``z*``, start rows): per row, HopSkipJump (untargeted, 2 classes: passed/flagged) on the
+    detector for the row's predicted class, in standardized feature space, from the nearest
+    training-side clean feature row of that class the detector passes (its reference row).
+    Rows without such a start keep ``z`` (start row -1)."""
     from art.estimators.classification import BlackBoxClassifier
 
     u_ref = (a.reference_features - a.feature_mean) / a.feature_scale
     bound = float(np.abs(u_ref).max()) * 1.5
-    out = z.copy()
+    out, starts = z.copy(), np.full(len(z), -1)
     for i in range(len(z)):
         label = int(predicted[i])
 
@@ -308,16 +338,47 @@ def undetected_features(
         if not passing.size:
             continue
         u = ((z[i : i + 1] - a.feature_mean) / a.feature_scale).astype(np.float32)
-        init = u_ref[passing[_nearest(u, u_ref[passing])]].astype(np.float32)
+        starts[i] = passing[_nearest(u, u_ref[passing])][0]
+        init = u_ref[starts[i] : starts[i] + 1].astype(np.float32)
         classifier = BlackBoxClassifier(detector, u.shape[1:], 2, clip_values=(-bound, bound))
         attack = _hsj(classifier, targeted=False, max_iter=p.hsj_max_iter, max_eval=p.hsj_max_eval)
         found = attack.generate(x=u, x_adv_init=init.copy())
         out[i] = found[0] * a.feature_scale + a.feature_mean
-    return out
+    return out, starts
+
+
+@dataclass(frozen=True)
+class Matched:
+    """What eq. (42) matches: columns ``spec`` of the attacker's pass, their targets ``z_star``
+    [N, F] and their scales [F]."""
+
+    spec: FeatureSpec
+    z_star: np.ndarray
+    scale: np.ndarray
+
+    def take(self, rows: np.ndarray) -> Matched:
+        return replace(self, z_star=self.z_star[rows])
+
+
+def matched_features(
+    a: Attacker, x_start: np.ndarray, z_star: np.ndarray, starts: np.ndarray, guide: str
+) -> Matched:
+    """The target's columns and ``z*``; with ``guide`` 'penultimate' and a detector that does not
+    read the penultimate embedding, also the embedding, matched to that of each row's reference
+    start row (its own, for a row without one)."""
+    if guide == "none" or a.target.features.penultimate:
+        return Matched(a.target.features, z_star, a.feature_scale)
+    spec = a.guided_spec()
+    reference = a.reference_embedding()
+    own = a.features(x_start, spec)[0][:, -reference.shape[1] :]
+    target = np.where((starts >= 0)[:, None], reference[np.maximum(starts, 0)], own)
+    std = reference.std(axis=0)
+    scale = np.concatenate([a.feature_scale, np.where(std > 0, std, 1.0)]).astype(np.float32)
+    return Matched(spec, np.concatenate([z_star, target], axis=1), scale)
 
 
 def _eq42(
-    a: Attacker, x: np.ndarray, x_start: np.ndarray, y: np.ndarray, z_star: np.ndarray, c1: float,
+    a: Attacker, x: np.ndarray, x_start: np.ndarray, y: np.ndarray, matched: Matched, c1: float,
     p: FeatureMatchParams,
 ) -> np.ndarray:  # fmt: skip
     """Solve eq. (42) for one c1 by L-BFGS in tanh space (the box constraint), from ``x_start``."""
@@ -325,15 +386,15 @@ def _eq42(
     device = a.device
     x_t = torch.from_numpy(x).to(device)
     y_t = torch.from_numpy(y).to(device)
-    z_t = torch.from_numpy(z_star.astype(np.float32)).to(device)
-    scale = torch.from_numpy(a.feature_scale).to(device)
+    z_t = torch.from_numpy(matched.z_star.astype(np.float32)).to(device)
+    scale = torch.from_numpy(matched.scale).to(device)
     w = box.to_tanh(torch.from_numpy(x_start).to(device)).detach().requires_grad_(True)
     optimizer = torch.optim.LBFGS([w], max_iter=p.lbfgs_iter, line_search_fn="strong_wolfe")
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
         x_adv = box.from_tanh(w)
-        logits, feats = a.forward(x_adv)
+        logits, feats = a.forward(x_adv, matched.spec)
         ce = nn.functional.cross_entropy(logits, y_t, reduction="none").clamp(max=p.ce_cap)
         matching = ((feats - z_t) / scale).flatten(1).norm(dim=1)
         distance = (x_adv - x_t).flatten(1).norm(dim=1)
@@ -349,17 +410,18 @@ def _eq42(
 def feature_match(
     a: Attacker, x: np.ndarray, x_start: np.ndarray, y: np.ndarray, p: FeatureMatchParams
 ) -> np.ndarray:
-    """Attack 2: ``z*`` by :func:`undetected_features`, then eq. (42) for each c1 in turn; a row
-    keeps the first result that fools the network and passes the system (queried), else the
-    last one."""
+    """Attack 2: ``z*`` by :func:`undetected_features` (and the guide, :func:`matched_features`),
+    then eq. (42) for each c1 in turn; a row keeps the first result that fools the network and
+    passes the system (queried), else the last one."""
     z, predicted = a.features(x_start)
-    z_star = undetected_features(a, z, predicted, p)
+    matched = matched_features(a, x_start, *undetected_features(a, z, predicted, p), p.guide)
     out = x_start.copy()
     pending = np.arange(len(x))
     for c1 in p.c1:
         if not pending.size:
             break
-        found = a.clip(_eq42(a, x[pending], x_start[pending], y[pending], z_star[pending], c1, p))
+        part = matched.take(pending)
+        found = a.clip(_eq42(a, x[pending], x_start[pending], y[pending], part, c1, p))
         out[pending] = found
         labels, flagged = a.target.flagged(found)
         pending = pending[(labels == y[pending]) | flagged]
