@@ -344,7 +344,9 @@ def tail_ramp(u: torch.Tensor, tail: float) -> torch.Tensor:
 class EnsembleScorer(nn.Module):
     """max(forest vote fraction, each family forest's, novelty tail ramp, margin tail ramp,
     penultimate tail ramp): torch form of :class:`EnsembleDetector`. With the penultimate part,
-    the features' last ``embedding.points.shape[1]`` columns are the embedding, read by it only."""
+    the features' last ``embedding.points.shape[1]`` columns are the embedding, read by it only.
+    :meth:`parts` gives each part's score by name ('forests', 'family <name>', 'novelty',
+    'margin', 'penultimate'): which part flags an input."""
 
     def __init__(
         self,
@@ -356,10 +358,14 @@ class EnsembleScorer(nn.Module):
         margin_tail: float = 0.0,
         embedding: EmbeddingScorer | None = None,
         embedding_tail: float = 0.0,
+        family_names: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.forests = forests
         self.families = nn.ModuleList(families)
+        self.family_names = list(family_names) or [str(i) for i in range(len(families))]
+        if len(self.family_names) != len(families):
+            raise InputError(f"{len(families)} family forests, {len(family_names)} names")
         self.novelty = novelty
         self.tail = float(tail)
         self.margin = margin
@@ -370,6 +376,16 @@ class EnsembleScorer(nn.Module):
     def forward(
         self, features: torch.Tensor, predicted: torch.Tensor | None = None
     ) -> torch.Tensor:
+        scores = iter(self.parts(features, predicted).values())
+        score = next(scores)
+        for part in scores:
+            score = torch.maximum(score, part)
+        return score
+
+    def parts(
+        self, features: torch.Tensor, predicted: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Each part's score in [0, 1] (float32 [N]) by name; the ensemble's is their max."""
         embedding_score = None
         if self.embedding is not None:
             width = self.embedding.points.shape[1]
@@ -381,16 +397,15 @@ class EnsembleScorer(nn.Module):
             u = self.embedding(features[:, -width:])
             embedding_score = tail_ramp(u, self.embedding_tail)
             features = features[:, :-width]
-        u = self.novelty(features, predicted)
-        score = torch.maximum(self.forests(features, predicted).float(), tail_ramp(u, self.tail))
-        for family in self.families:
-            score = torch.maximum(score, family(features, predicted).float())
+        parts = {"forests": self.forests(features, predicted).float()}
+        for name, family in zip(self.family_names, self.families, strict=True):
+            parts[f"family {name}"] = family(features, predicted).float()
+        parts["novelty"] = tail_ramp(self.novelty(features, predicted), self.tail)
         if self.margin is not None:
-            margin = tail_ramp(self.margin(features, predicted), self.margin_tail)
-            score = torch.maximum(score, margin)
+            parts["margin"] = tail_ramp(self.margin(features, predicted), self.margin_tail)
         if embedding_score is not None:
-            score = torch.maximum(score, embedding_score)
-        return score
+            parts["penultimate"] = embedding_score
+        return parts
 
 
 MARGIN_TAIL = 0.025  # the margin part's clean tail (0: none); see the module docstring
@@ -673,6 +688,7 @@ class EnsembleDetector(Detector):
             self.margin_tail,
             self._embedding_scorer(),
             self.penultimate_tail,
+            self.family_names_,
         )
 
     def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

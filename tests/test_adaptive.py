@@ -210,6 +210,12 @@ def test_report_section_shows_each_row(tmp_path) -> None:
     }  # fmt: skip
     pooled = {**row, "target": "transport-pool5", "evasion_rate": 0.05, "start_median_l2": 0.9}
     rows = [row, pooled, {**row, "model": "vanilla", "evasion_rate": None}]
+    assert "Which part" not in "\n".join(adaptive_section({"adaptive": rows}))
+    parts = {"forests": [0.893, 0.728], "family cw-batched": [0.953, 0.769]}
+    ensemble = {**row, "target": "ensemble", "attack": "feature-match", "parts": parts}
+    with_parts = "\n".join(adaptive_section({"adaptive": [*rows, ensemble]}))
+    part_rows = [line for line in with_parts.splitlines() if line.startswith("| LAP ensemble")]
+    assert len(part_rows) == 1 and "89.3 → 72.8" in part_rows[0] and "95.3 → 76.9" in with_parts
     lines = adaptive_section({"adaptive": rows}, tmp_path)
     table = "\n".join(lines)
     assert lines[0] == "## Adaptive attacks"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from detector.features import penultimate_width
-from training.adaptive import build_attacker, target_margins
+from training.adaptive import build_attacker, part_flags, target_margins
 from training.adaptive_target import TargetSpec, fit_target
 from training.pipeline import PipelineRun
 
@@ -38,6 +38,15 @@ def test_an_ensemble_target_and_its_attacker_read_the_penultimate_embedding(
     rows = target.detectors[0].serving_rows(clean)
     expected = target.guard.predict(clean.images).scores - target.calibrations[0].threshold
     np.testing.assert_allclose(target_margins(target, rows, clean.predicted), expected, atol=1e-5)
+
+    # Each part alone flags no more than the ensemble and together no less (max of the parts).
+    images = run.samples(name).attacks[sorted(run.samples(name).attacks)[0]].images[:40]
+    shares = part_flags(attacker, images, clean.images)
+    assert list(shares)[0] == "forests" and "penultimate" in shares
+    for i, x in enumerate((images, clean.images)):
+        flagged = target.flagged(x)[1].mean()
+        each = [share[i] for share in shares.values()]
+        assert max(each) <= flagged + 1e-9 and flagged <= sum(each) + 1e-9
 
     # Resumed from disk (a fresh process), the target serves the same columns and scores.
     again = fit_target(PipelineRun.open(run_dir, progress=False), name, TargetSpec("ensemble"))

@@ -214,9 +214,16 @@ def test_family_forests_join_the_ensemble_and_travel_with_it() -> None:
     assert root_weight == 300  # a bootstrap sample of 60 + 240 rows
     large_root = ensemble.families_[0].forest_.estimators_[0].tree_.weighted_n_node_samples[0]
     assert large_root == 1400
+    # The torch form names each part's score (which part flags an input); its max is the score.
+    with torch.inference_mode():
+        named = ensemble.to_torch().parts(torch.from_numpy(features), torch.from_numpy(labels))
+    assert list(named) == ["forests", "family large", "family subtle", "novelty"]
+    for expected, score in zip([*parts, ramp], named.values(), strict=True):
+        np.testing.assert_allclose(score.numpy(), expected, atol=1e-6)
     # The arrays, the torch form and a loaded copy all score alike.
     restored = _assert_scores_travel(ensemble, features, labels)
     assert restored.family_names_ == ["large", "subtle"]
+    assert list(restored.to_torch().parts(torch.from_numpy(features[:3]))) == list(named)
     # One family, no family forests; family_forests=False never fits them.
     one = EnsembleDetector(n_estimators=5).fit(
         features, is_abnormal, labels, np.where(is_abnormal == 1, "large", "")

@@ -243,6 +243,9 @@ def run_attack(
         row["surrogate_agreement"] = attacker.surrogate_agreement
     if target.spec.members > 1 and len(rows):
         row["member_evasion_rate"] = member_evasion(attacker, x_adv, start.y[rows])
+    parts = part_flags(attacker, start.x_start[rows], x_adv)
+    if parts:
+        row["parts"] = parts
     artefacts.write_json(out / "row.json", row)
     return row
 
@@ -253,6 +256,29 @@ def member_evasion(attacker: Attacker, x_adv: np.ndarray, y: np.ndarray) -> floa
     features, predicted = attacker.features(x_adv)
     passed = target_member_margins(attacker.target, features, predicted) <= 0
     return float(((predicted != y)[:, None] & passed).mean())
+
+
+def part_flags(
+    attacker: Attacker, x_start: np.ndarray, x_adv: np.ndarray
+) -> dict[str, list[float]]:
+    """Per part of a one-member target whose detector has parts (the ensemble): the share of
+    the attacked start images and of their final images that the part alone flags at the
+    target's threshold, ``{part: [start, final]}``; empty otherwise or without rows."""
+    module = attacker.target.guard.detector_module
+    if attacker.target.spec.members != 1 or not hasattr(module, "parts") or not len(x_adv):
+        return {}
+    shares: dict[str, list[float]] = {}
+    threshold = attacker.target.guard.threshold
+    for images in (x_start, x_adv):
+        features, predicted = attacker.features(images)
+        with torch.inference_mode():
+            parts = module.parts(
+                torch.from_numpy(features).to(attacker.device),
+                torch.from_numpy(predicted).to(attacker.device),
+            )
+        for part, score in parts.items():
+            shares.setdefault(part, []).append(int((score > threshold).sum()) / len(images))
+    return shares
 
 
 def _budget(params: dict[str, Any]) -> str:

@@ -100,6 +100,33 @@ def evasion_matrix(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[l
     return ["Attack", "Budget", *(f"{c} (%)" for c in columns)], body
 
 
+def part_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Which part of an ensemble target flags the attacked images, start -> final (rows that
+    record their ``parts``), as a table and its note; nothing without such rows."""
+    with_parts = [r for r in rows if r.get("parts")]
+    if not with_parts:
+        return []
+    names = list(dict.fromkeys(part for r in with_parts for part in r["parts"]))
+    body = [
+        [
+            f"{MODEL_LABELS.get(r['model'], r['model'].upper())} {r['target']}",
+            r["attack"],
+            *(
+                " → ".join(_percent(v) for v in r["parts"][part]) if part in r["parts"] else "-"
+                for part in names
+            ),
+        ]
+        for r in with_parts
+    ]
+    return [
+        "Which part of the target flags the attacked images, each part alone at the target's "
+        "threshold, start → final (%): the parts the attacker got past lose the most.",
+        "",
+        markdown_table(["Target", "Attack", *names], body, left=2),
+        "",
+    ]
+
+
 def adaptive_section(results: Mapping[str, Any], run_dir: Path | None = None) -> list[str]:
     """'## Adaptive attacks': the comparison table (and its figure, with ``run_dir``), the full
     table and how to read them; nothing when no rows exist."""
@@ -133,6 +160,8 @@ def adaptive_section(results: Mapping[str, Any], run_dir: Path | None = None) ->
         markdown_table(HEADER, adaptive_rows(rows), left=4),
         "",
         NOTE,
+        "",
+        *part_table(rows),
     ]
     if agreement:
         unique = list(dict.fromkeys(agreement))
