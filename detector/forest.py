@@ -9,9 +9,11 @@ Why the OR, measured: on the training side (``benchmarks/forest_combination.py``
 forest alone is the better seen-attack detector at 0.5 (mean 99.23 vs 98.60 on q22's features:
 the OR adds the class forests' false positives), and a whole quick run without class forests
 (q23) won every seen row by 0.2-0.6 points. But an attacker who knows the detector evades it more
-often (surrogate orthogonal PGD 10.8% -> 13.2% of 770 images, feature matching 1.2% -> 5.9% of
-170) and, trained on one attack, it carries over less (unseen mean 72.2 -> 68.5). Seed 003 §H
-expects the OR to resist adaptive attacks better; it does, so it stays the default.
+often (surrogate orthogonal PGD 10.8% -> 13.2% of 770 images) and, trained on one attack, it
+carries over less (unseen mean 72.2 -> 68.5). Seed 003 §H expects the OR to resist adaptive
+attacks better; it does, so it stays the default. (Feature matching measured 1.2% -> 5.9% of 170
+then, but that attack's L-BFGS stalled on these features; guided by the penultimate embedding it
+evades the OR 18.3% of q26's first 60: benchmarks/RESULTS.md, session 36.)
 
 ``TensorForest`` holds fitted trees as flat node arrays and walks a whole batch through every
 tree at once with gathers (one step per tree level), on CPU or GPU. Detectors travel as plain

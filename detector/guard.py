@@ -195,6 +195,23 @@ class Guard:
             residues = features[:, : 2 * len(self.block_names)]
             return logits.float().cpu(), scores.float().cpu(), residues.float().cpu()
 
+    def part_scores(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """Each part's score of a batch in the input spec, float32 [N] by name, for a detector
+        whose torch form has parts (the ensemble: ``forests``, ``family <name>``, ``novelty``,
+        ``margin``, ``penultimate``); its score is their max, so a part above the threshold
+        flags an input. Empty for a detector without parts."""
+        named_parts = getattr(self.detector_module, "parts", None)
+        if not callable(named_parts):
+            return {}
+        chunks: dict[str, list[torch.Tensor]] = {}
+        for i in range(0, len(x), self.batch_size):
+            with self._lock, torch.inference_mode(), self._extractor as fx:
+                logits = self.model(torch.as_tensor(x[i : i + self.batch_size]).to(self.device))
+                parts = named_parts(fx.features(), logits.argmax(dim=1))
+            for name, score in parts.items():
+                chunks.setdefault(name, []).append(score.float().cpu())
+        return {name: torch.cat(scores).numpy() for name, scores in chunks.items()}
+
     def predict_images(self, images: Sequence[np.ndarray] | np.ndarray) -> GuardResult:
         """:meth:`prepare` then :meth:`predict`."""
         return self.predict(self.prepare(images))

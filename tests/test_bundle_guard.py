@@ -186,6 +186,7 @@ def test_guard_predict_is_the_network_and_the_detector(bundle_dir: Path, run: di
     )
     np.testing.assert_array_equal(result.flagged, result.scores > guard.threshold)
     assert result.class_names == [guard.class_names[i] for i in result.labels]
+    assert guard.part_scores(x) == {}  # the transport forests have no parts
     assert result.scores.dtype == np.float32 and result.labels.dtype == np.int64
     # Built from in-memory objects, in chunks: the same answers.
     in_memory = Guard.from_run(

@@ -185,3 +185,9 @@ def test_a_bundle_with_the_part_scores_in_the_guard_as_the_detector(
     guard = Guard.from_bundle(out, device="cpu")
     expected = detector.score_samples(samples("test", x))
     np.testing.assert_allclose(guard.predict(x).scores, expected, atol=1e-5)
+    # Which part flags an input: the parts' max is the score, in any chunking.
+    guard.batch_size = 7
+    parts = guard.part_scores(x)
+    assert list(parts)[0] == "forests" and "penultimate" in parts
+    assert all(score.shape == (len(x),) for score in parts.values())
+    np.testing.assert_allclose(np.max(np.stack(list(parts.values())), 0), expected, atol=1e-5)
