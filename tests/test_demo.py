@@ -236,7 +236,9 @@ def test_background_smoke_run_is_interrupted_resumed_and_switched_to(
             seen.append((model["name"], model["building"]["state"], model["building"]["done"]))
         time.sleep(0.5)
     assert any(name == "tiny" and state == "running" for name, state, _ in seen)
-    assert [done for *_, done in seen] == sorted(done for *_, done in seen)
+    # Until the resumed run writes its first step, the server reads the interrupted run's file.
+    counted = [done for _, state, done in seen if state != "failed"]
+    assert counted == sorted(counted)
     model = _model(live)
     assert model["name"] == "lapguard-smoke-lap" and switcher.switched is not None
     assert model["building"]["state"] == "done"

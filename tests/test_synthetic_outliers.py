@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sklearn.metrics import roc_auc_score
 
 from detector.errors import ConfigError, InputError
 from training.synthetic_outliers import SYNTHETIC_TRANSFORMS, synthetic_outliers
@@ -76,8 +77,8 @@ def test_deployed_ensemble_learns_synthetic_outliers_of_images_it_never_saw(
     smoke_run, data_root, tmp_path
 ) -> None:
     """With synthetic outliers, the shipped ensemble holds a 'synthetic' family and flags the
-    outliers made from held-out (test-side) clean images far more often than the smoke run's
-    own ensemble does, each at its calibrated threshold; deployable.json records what it learnt."""
+    outliers made from held-out (test-side) clean images apart from held-out clean images far
+    better than the smoke run's own ensemble does (AUROC); deployable.json records what it learnt."""
     from training.deployable import SPLIT_SEED, fit_deployable, load_deployable
     from training.experiments import Split
     from training.pipeline import PipelineRun
@@ -99,11 +100,17 @@ def test_deployed_ensemble_learns_synthetic_outliers_of_images_it_never_saw(
     samples = run.image_samples(name, "held-out-synthetic", images, held_out.indices)
     samples.extra.update(with_outliers.precompute(run.model(name), images))
 
-    def flagged(detector, calibration) -> float:
-        return float(np.mean(detector.score_samples(samples) > calibration.threshold))
+    held_out.extra.update(with_outliers.precompute(run.model(name), held_out.images))
+    truth = np.r_[np.zeros(len(held_out)), np.ones(len(samples))]
 
-    learnt, before = flagged(with_outliers, with_calibration), flagged(without, without_calibration)
-    assert learnt > before + 0.15, (learnt, before)
+    def auroc(detector) -> float:
+        scores = np.r_[detector.score_samples(held_out), detector.score_samples(samples)]
+        return float(roc_auc_score(truth, scores))
+
+    # Threshold-free: the smoke run's calibration slice (120 images) can put the threshold at
+    # the score's maximum, 1.0, where nothing is flagged (seen with torch 2.14's smoke networks).
+    learnt, before = auroc(with_outliers), auroc(without)
+    assert learnt > before + 0.1, (learnt, before)
     assert info["heldout"]["fpr"] < 0.2  # still a detector, not a flag on everything
 
 
