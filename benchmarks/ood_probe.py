@@ -38,7 +38,7 @@ from detector.errors import DataNotFoundError
 from service.batch.command import ScoreRequest, score
 from service.batch.inputs import InMemoryInput
 from training.data import load_dataset, to_arrays
-from training.outside_sets import OUTSIDE_SETS, outside_set, read_mnist
+from training.outside_sets import OUTSIDE_SETS, outside_set
 from training.synthetic_outliers import SYNTHETIC_TRANSFORMS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,13 +72,11 @@ def probe_sets(manifest, args: argparse.Namespace) -> dict[str, np.ndarray]:
     for name in OUTSIDE_SETS:
         sets[name] = outside_set(name, args.n, shape, value_range, seed=args.seed)
     try:
-        read_mnist(args.mnist_root)
-    except DataNotFoundError as missing:
-        print(f"(no real MNIST digits: {missing})")
-    else:
         sets["mnist"] = outside_set(
             "mnist", args.n_mnist, shape, value_range, seed=args.seed, mnist_root=args.mnist_root
         )
+    except DataNotFoundError as missing:
+        print(f"(no real MNIST digits: {missing})")
     return sets
 
 
