@@ -264,20 +264,13 @@ def part_flags(
     """Per part of a one-member target whose detector has parts (the ensemble): the share of
     the attacked start images and of their final images that the part alone flags at the
     target's threshold, ``{part: [start, final]}``; empty otherwise or without rows."""
-    module = attacker.target.guard.detector_module
-    if attacker.target.spec.members != 1 or not hasattr(module, "parts") or not len(x_adv):
+    guard = attacker.target.guard
+    if attacker.target.spec.members != 1 or not len(x_adv):
         return {}
     shares: dict[str, list[float]] = {}
-    threshold = attacker.target.guard.threshold
     for images in (x_start, x_adv):
-        features, predicted = attacker.features(images)
-        with torch.inference_mode():
-            parts = module.parts(
-                torch.from_numpy(features).to(attacker.device),
-                torch.from_numpy(predicted).to(attacker.device),
-            )
-        for part, score in parts.items():
-            shares.setdefault(part, []).append(int((score > threshold).sum()) / len(images))
+        for part, score in guard.part_scores(images).items():
+            shares.setdefault(part, []).append(float(np.mean(score > guard.threshold)))
     return shares
 
 
