@@ -6,6 +6,7 @@ is flagged when its score is STRICTLY greater than the threshold.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -13,6 +14,10 @@ import numpy as np
 from scipy import stats
 
 from detector.errors import ConfigError, InputError
+
+
+class CalibrationWarning(UserWarning):
+    """A calibrated threshold that flags (almost) nothing: see :attr:`Calibration.saturated`."""
 
 
 def calibrate_threshold(
@@ -74,7 +79,10 @@ class Calibration:
     ``achieved_fpr`` is the FPR on the ``n`` clean validation scores it was chosen on;
     ``confidence``, when set, the probability with which the threshold's FPR is <= target_fpr
     (see :func:`calibrate_threshold`); ``default_vote_threshold`` is the forests' own majority
-    vote (score > 0.5), kept beside it.
+    vote (score > 0.5), kept beside it. ``saturated``: the target FPR is above 0 but the
+    threshold is the clean scores' maximum (too many tie there, or too few images for the
+    confidence), so only an input scoring above every clean image is flagged (a detector whose
+    scores stop there flags nothing): :meth:`from_scores` warns with :class:`CalibrationWarning`.
     """
 
     threshold: float
@@ -83,6 +91,7 @@ class Calibration:
     n: int
     default_vote_threshold: float = 0.5
     confidence: float | None = None
+    saturated: bool = False
 
     @classmethod
     def from_scores(
@@ -95,13 +104,27 @@ class Calibration:
     ) -> Calibration:
         """Calibrate on clean validation scores (see :func:`calibrate_threshold`)."""
         threshold = calibrate_threshold(clean_scores, target_fpr, confidence=confidence)
+        scores = _check_scores(clean_scores)
+        saturated = bool(target_fpr > 0 and threshold == scores.max())
+        if saturated:
+            at_top = int(np.sum(scores == threshold))
+            warnings.warn(
+                f"no clean score below the maximum {threshold:g} meets the target FPR "
+                f"{target_fpr:g} ({at_top} of {scores.size} clean scores tie there), so the "
+                "threshold is that maximum: only inputs scoring above every clean image are "
+                "flagged, and a detector whose scores stop there flags nothing. Calibrate on "
+                "more clean images, or give the detector finer scores.",
+                CalibrationWarning,
+                stacklevel=2,
+            )
         return cls(
             threshold=threshold,
             target_fpr=float(target_fpr),
             achieved_fpr=empirical_fpr(clean_scores, threshold),
-            n=int(np.asarray(clean_scores).size),
+            n=int(scores.size),
             default_vote_threshold=float(default_vote_threshold),
             confidence=confidence,
+            saturated=saturated,
         )
 
     def to_dict(self) -> dict[str, Any]:

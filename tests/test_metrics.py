@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from sklearn import metrics as skm
 
 from detector.calibration import (
     Calibration,
+    CalibrationWarning,
     calibrate_threshold,
     empirical_fpr,
     fpr_upper_bound,
@@ -120,6 +122,33 @@ def test_confident_calibration_bounds_its_fpr_and_travels_in_the_dict() -> None:
     assert fpr_upper_bound(np.array([100]), 100, 0.95)[0] == 1.0
     with pytest.raises(ConfigError):
         calibrate_threshold(scores, 0.05, confidence=1.0)
+
+
+def test_a_threshold_at_tied_top_scores_is_flagged_saturated_with_a_warning() -> None:
+    """A score capped at 1.0 that 8% of clean images reach: a 5% target puts the threshold at 1.0,
+    so this detector flags nothing (score > threshold never holds); the calibration says so."""
+    rng = np.random.default_rng(0)
+    capped = np.r_[rng.uniform(0.0, 0.9, 920), np.ones(80)]
+    with pytest.warns(CalibrationWarning, match=r"maximum 1 meets .* \(80 of 1000 clean scores"):
+        calibration = Calibration.from_scores(capped, 0.05)
+    assert calibration.saturated and calibration.threshold == 1.0
+    assert empirical_fpr(capped, calibration.threshold) == 0.0
+    assert Calibration.from_dict(calibration.to_dict()).saturated
+    # a few ties at the top within the target, a threshold below the top, or a target of 0 (the
+    # maximum by design): not saturated
+    uniform = rng.uniform(0, 1, 1000)
+    for scores, target in (
+        (np.r_[uniform[:970], np.ones(30)], 0.05),
+        (uniform, 0.05),
+        (uniform, 0),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CalibrationWarning)
+            assert not Calibration.from_scores(scores, target).saturated
+    with pytest.warns(CalibrationWarning):  # too few images for the confidence
+        assert Calibration.from_scores(uniform[:20], 0.05, confidence=0.95).saturated
+    unsaturated = {k: v for k, v in calibration.to_dict().items() if k != "saturated"}
+    assert not Calibration.from_dict(unsaturated).saturated  # older bundles and runs load
 
 
 def test_too_few_images_for_the_confidence_give_the_highest_score() -> None:

@@ -328,6 +328,16 @@ def test_deployed_detector_rates_shown_with_every_key_found(tmp_path: Path) -> N
     assert _table_row(deployed, "digits", header)[1:4] == ["no", "41.25", "1000"]
     names = [ln.split("|")[1].strip() for ln in deployed.splitlines() if ln.startswith("| ")]
     assert names[2:] == ["clean (FPR)", "FGM ε=0.03", "FGM ε=0.1", "BIM", "digits"]
+    assert "Warning" not in deployed
+
+
+def test_a_saturated_calibration_is_a_warning_in_the_report(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    info = json.loads((run / "detector" / "deployable.json").read_text())
+    info["calibration"] |= {"threshold": 1.0, "saturated": True}
+    (run / "detector" / "deployable.json").write_text(json.dumps(info))
+    deployed = _section(write_report(run).read_text(), "Deployed detector")
+    assert "**Warning: this threshold is the clean scores' maximum" in deployed
 
 
 def test_learning_curves_table_and_figure(tmp_path: Path) -> None:

@@ -112,6 +112,8 @@ def test_deployed_ensemble_learns_synthetic_outliers_of_images_it_never_saw(
     learnt, before = auroc(with_outliers), auroc(without)
     assert learnt > before + 0.1, (learnt, before)
     assert info["heldout"]["fpr"] < 0.2  # still a detector, not a flag on everything
+    # ... and a threshold at the score's maximum is recorded as what it is
+    assert info["calibration"]["saturated"] == (with_calibration.threshold >= 1.0)
 
 
 def test_a_changed_count_refits_and_an_impossible_one_is_refused(

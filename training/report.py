@@ -681,7 +681,20 @@ def _calibration_note(
         f"Rates are measured by the Guard (the server's scoring path) on the held-out test side "
         f"(split seed {info.get('split_seed', '?')}, one run); n: images per set. The last "
         "column is the seen protocol's rate for the same network and detector trained on that "
-        "attack alone (mean ± std over its runs)." + _clean_split_note(info.get("heldout", {}))
+        "attack alone (mean ± std over its runs)."
+        + _clean_split_note(info.get("heldout", {}))
+        + _saturation_note(calibration)
+    )
+
+
+def _saturation_note(calibration: Mapping[str, Any]) -> str:
+    """A warning when the threshold sits at tied top clean scores (``Calibration.saturated``)."""
+    if not calibration.get("saturated"):
+        return ""
+    return (
+        " **Warning: this threshold is the clean scores' maximum, at which more than the target "
+        "share of them tie: only inputs scoring above every clean image are flagged, and a "
+        "detector whose scores stop there flags nothing. Calibrate on more clean images.**"
     )
 
 
