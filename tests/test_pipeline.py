@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -116,7 +117,6 @@ def test_rerun_is_a_noop_and_steps_work_alone(smoke_run, tmp_path, data_root, ca
 def test_fit_deploys_every_offered_detector(smoke_run, tmp_path, capsys) -> None:
     """`lapguard fit --detector quantile` refits, calibrates and bundles the zero-shot detector
     (a copy of the smoke run, so the shipped transport detector stays as it is)."""
-    import shutil
 
     run = tmp_path / "run"
     shutil.copytree(smoke_run, run)
@@ -154,6 +154,32 @@ def test_held_out_clean_flags_split_by_whether_the_network_is_right(smoke_run, d
     assert heldout["fpr_correct"] == np.mean(flagged[~wrong])
     assert heldout["fpr_misclassified"] == np.mean(flagged[wrong])
     assert manifest["metrics"]["heldout_fpr_correct"] == heldout["fpr_correct"]
+
+
+def test_deploy_on_split_seed_0_is_the_shipped_detector_and_another_seed_another_split(
+    smoke_run, data_root, tmp_path
+) -> None:
+    """``deploy`` is the recipe ``fit_deployable`` writes: on seed 0 it gives deployable.json's
+    threshold and held-out rates exactly; another seed holds out other images (about as many:
+    each image is held out by a seeded draw)."""
+    from training.deployable import deploy
+    from training.pipeline import PipelineRun
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(smoke_run, run_dir)  # deploy caches arrays in the run
+    info = json.loads((run_dir / "detector" / "deployable.json").read_text())
+    run = PipelineRun.open(run_dir, root=data_root, progress=False)
+    shipped = deploy(run, info["kind"], info["split_seed"])
+    assert shipped.calibration.to_dict() == info["calibration"]
+    assert json.loads(json.dumps(shipped.heldout())) == info["heldout"]
+    with np.load(run_dir / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
+        np.testing.assert_array_equal(shipped.scores["clean"], saved["clean"])
+    other = deploy(run, info["kind"], info["split_seed"] + 1)
+    n_other, n_shipped = len(other.scores["clean"]), len(shipped.scores["clean"])
+    assert abs(n_other - n_shipped) <= 0.2 * n_shipped and other.calibration.n > 0
+    assert n_other != n_shipped or not np.array_equal(
+        other.scores["clean"], shipped.scores["clean"]
+    )
 
 
 def _held_out(
@@ -239,7 +265,6 @@ def two_family_run(smoke_run, data_root, tmp_path_factory) -> Path:
     """The smoke run with a second attack family (DeepFool, batched, 200 images), resumed from a
     copy of its networks, attack sets and features: the shipped ensemble then fits family
     forests, and the margin part meets the attack it is for."""
-    import shutil
 
     from training.pipeline import run_pipeline
     from training.presets.pipelines import PipelineConfig

@@ -10,7 +10,7 @@ flag rates, split) and ``heldout_scores.npz`` (the Guard's score of every held-o
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,32 +43,84 @@ def deployable_detectors() -> list[str]:
     return list_detectors(servable=True)
 
 
+@dataclass(frozen=True)
+class Deployed:
+    """A deployable detector fitted and calibrated on one split, with the Guard's scores of that
+    split's held-out side (``scores``: 'clean', each attack, ``ood-<name>``)."""
+
+    detector: Detector
+    calibration: Calibration
+    features: FeatureSpec
+    train_attacks: list[str]
+    train_pairs_per_attack: int
+    synthetic_rows: int
+    scores: dict[str, np.ndarray]
+    successful: dict[str, np.ndarray]  # per attack, which held-out images fool the network
+    misclassified: np.ndarray  # per held-out clean image, whether the network gets it wrong
+
+    def heldout(self) -> dict[str, Any]:
+        """Held-out flag rates at the calibrated threshold (``deployable.json``'s 'heldout')."""
+        flagged = self.scores["clean"] > self.calibration.threshold
+        return _heldout_rates(
+            self.scores, self.successful, self.calibration.threshold
+        ) | _clean_by_prediction(flagged, self.misclassified)
+
+
 def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
-    """Fit detector ``detector`` (default: the config's ``deploy_detector``) on the deploy
-    network's training side (seed-0 split) of the deploy attacks, in equal shares
-    (:func:`equal_shares`, each row marked with its attack family: the ensemble also fits one
-    forest set per family), in the feature set chosen for that network, calibrate it at the
-    config's target FPR (with its confidence) on held-out clean images, and measure its flag
-    rates on the test side of every attack set and on every OOD set, all scored by the Guard.
-    Cached per detector."""
+    """Fit detector ``detector`` (default: the config's ``deploy_detector``) as
+    :func:`deploy` does on the seed-0 split, and write it with its calibration and held-out
+    rates to ``RUN/detector/``. Cached per detector."""
     detector = detector or run.config.deploy_detector
-    if detector not in deployable_detectors():
-        raise ConfigError(
-            f"detector {detector!r} cannot be deployed; choose one of {deployable_detectors()}"
-        )
     out = run.dir.detector_dir
     saved = out / DEPLOYABLE_FILE
     n_synthetic = run.config.deploy_synthetic_outliers if detector == "ensemble" else 0
     if _fitted_as(saved, detector, n_synthetic):
         return out
+    deployed = deploy(run, detector, SPLIT_SEED)
+    deployed.detector.save(out)
+    artefacts.save_npz(out / HELDOUT_SCORES_FILE, **deployed.scores)
+    artefacts.write_json(
+        saved,
+        {
+            "kind": detector,
+            "network": run.config.deploy_model,
+            "train_attacks": deployed.train_attacks,
+            "train_pairs_per_attack": deployed.train_pairs_per_attack,
+            "families": list(getattr(deployed.detector, "family_names_", [])),
+            "synthetic_outliers": {
+                "rows": deployed.synthetic_rows,
+                "transforms": list(SYNTHETIC_TRANSFORMS) if deployed.synthetic_rows else [],
+            },
+            "calibration": deployed.calibration.to_dict(),
+            "features": asdict(deployed.features),
+            "heldout": deployed.heldout(),
+            "split_seed": SPLIT_SEED,
+            "test_fraction": run.config.test_fraction,
+        },
+    )
+    return out
+
+
+def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
+    """Fit detector ``detector`` on the deploy network's training side of split ``split_seed``
+    (every deploy attack in equal shares, :func:`equal_shares`, each row marked with its attack
+    family: the ensemble also fits one forest set per family; with the config's synthetic
+    outliers for the ensemble), in the feature set chosen for that network; calibrate it at the
+    config's target FPR (with its confidence) on the split's calibration clean images; and score
+    the held-out side of every attack set and every OOD set, all through the Guard."""
+    if detector not in deployable_detectors():
+        raise ConfigError(
+            f"detector {detector!r} cannot be deployed; choose one of {deployable_detectors()}"
+        )
     config, name = run.config, run.config.deploy_model
+    n_synthetic = config.deploy_synthetic_outliers if detector == "ensemble" else 0
     data = run.samples(name)
     keys = deploy_keys(config, data.attacks)
-    split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
+    split = Split(split_seed, config.test_fraction, int(data.clean.indices.max()) + 1)
     unfitted = on_all_cores(get_detector(detector))
     add_precomputed(run, name, unfitted, [data.clean, *data.attacks.values(), *data.ood.values()])
-    abnormal = equal_shares(deploy_parts(config, data.attacks, split), seed=SPLIT_SEED)
-    synthetic = synthetic_part(run, name, split, n_synthetic)
+    abnormal = equal_shares(deploy_parts(config, data.attacks, split), seed=split_seed)
+    synthetic = synthetic_part(run, name, split, n_synthetic, seed=split_seed)
     if synthetic is not None:
         add_precomputed(run, name, unfitted, [synthetic])
     fitted = fit_with_outliers(unfitted, split.train(data.clean), abnormal, synthetic)
@@ -88,36 +140,21 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
         confidence=config.calibration_confidence,
     )
     held_out_clean = split.test(data.clean)
-    scores = {"clean": _guard_scores(guard, held_out_clean)}
     held_out = {k: split.test(v) for k, v in data.attacks.items()}
+    scores = {"clean": _guard_scores(guard, held_out_clean)}
     scores.update({k: _guard_scores(guard, v) for k, v in held_out.items()})
     scores.update({f"ood-{k}": _guard_scores(guard, v) for k, v in data.ood.items()})
-    successful = {k: np.asarray(v.success, bool) for k, v in held_out.items()}
-    fitted.save(out)
-    artefacts.save_npz(out / HELDOUT_SCORES_FILE, **scores)
-    artefacts.write_json(
-        saved,
-        {
-            "kind": detector,
-            "network": name,
-            "train_attacks": keys,
-            "train_pairs_per_attack": len(abnormal) // len(keys),
-            "families": list(getattr(fitted, "family_names_", [])),
-            "synthetic_outliers": {
-                "rows": 0 if synthetic is None else len(synthetic),
-                "transforms": list(SYNTHETIC_TRANSFORMS) if synthetic is not None else [],
-            },
-            "calibration": calibration.to_dict(),
-            "features": asdict(spec),
-            "heldout": _heldout_rates(scores, successful, calibration.threshold)
-            | _clean_by_prediction(
-                scores["clean"] > calibration.threshold, _misclassified(run, name, held_out_clean)
-            ),
-            "split_seed": SPLIT_SEED,
-            "test_fraction": config.test_fraction,
-        },
+    return Deployed(
+        fitted,
+        calibration,
+        spec,
+        keys,
+        len(abnormal) // len(keys),
+        0 if synthetic is None else len(synthetic),
+        scores,
+        {k: np.asarray(v.success, bool) for k, v in held_out.items()},
+        _misclassified(run, name, held_out_clean),
     )
-    return out
 
 
 def _fitted_as(saved: Path, detector: str, n_synthetic: int) -> bool:
@@ -130,10 +167,12 @@ def _fitted_as(saved: Path, detector: str, n_synthetic: int) -> bool:
     return bool(previous.get("kind") == detector and rows == n_synthetic)
 
 
-def synthetic_part(run: PipelineRun, name: str, split: Split, n: int) -> Samples | None:
+def synthetic_part(
+    run: PipelineRun, name: str, split: Split, n: int, *, seed: int = SPLIT_SEED
+) -> Samples | None:
     """``n`` synthetic outliers (:mod:`training.synthetic_outliers`, one row per source image)
-    of seeded training-side clean images of network ``name``, each row marked as of family
-    ``synthetic``; None when ``n`` is 0. Their features are cached in the run."""
+    of training-side clean images of network ``name`` drawn by ``seed``, each row marked as of
+    family ``synthetic``; None when ``n`` is 0. Their features are cached in the run."""
     if not n:
         return None
     clean = split.train(run.samples(name).clean)
@@ -141,12 +180,13 @@ def synthetic_part(run: PipelineRun, name: str, split: Split, n: int) -> Samples
         raise ConfigError(
             f"deploy_synthetic_outliers is {n}, but the training side has {len(clean)} clean images"
         )
-    chosen = np.sort(np.random.default_rng(SPLIT_SEED).permutation(len(clean))[:n])
+    chosen = np.sort(np.random.default_rng(seed).permutation(len(clean))[:n])
     spec = run.model(name).config.input_spec  # type: ignore[union-attr]
-    images, _ = synthetic_outliers(clean.images[chosen], spec.value_range, seed=SPLIT_SEED)
+    images, _ = synthetic_outliers(clean.images[chosen], spec.value_range, seed=seed)
     indices = clean.indices[chosen]
     digest = hashlib.sha256(np.ascontiguousarray(indices, np.int64).tobytes()).hexdigest()[:12]
-    samples = run.image_samples(name, f"synthetic-{n}-{digest}", images, indices)
+    key = f"synthetic-{n}-{digest}" + ("" if seed == SPLIT_SEED else f"-seed{seed}")
+    samples = run.image_samples(name, key, images, indices)
     return with_family(replace(samples, success=np.ones(n, bool)), SYNTHETIC_FAMILY)
 
 
