@@ -59,6 +59,26 @@ def test_results_json_follows_the_design_contract(smoke_run) -> None:
     assert timing["transport"] > 0 and timing["mahalanobis"] > 0
 
 
+def test_timings_record_every_step_and_the_report_sums_them(smoke_run) -> None:
+    """timings.jsonl: the machine's reference workload, then one line per step, in order; the
+    report's run-time table adds up the steps before it."""
+    from training.pipeline import PipelineRun, pipeline_steps
+    from training.timings import read_timings
+
+    rows = read_timings(smoke_run)
+    references = [r for r in rows if r["event"] == "reference"]
+    steps = [r for r in rows if r["event"] == "step"]
+    assert references and references[0] == rows[0] and references[0]["torch_seconds"] > 0
+    names = [name for name, _ in pipeline_steps(PipelineRun.open(smoke_run, progress=False))]
+    assert [r["step"] for r in steps[: len(names)]] == names and all(
+        r["seconds"] >= 0 for r in steps
+    )
+    section = (smoke_run / "report.md").read_text().split("## Where the run's time went")[1]
+    total = next(ln for ln in section.splitlines() if ln.startswith("| total "))
+    before_report = sum(r["seconds"] for r in steps[: names.index("report")]) / 60
+    assert total.split("|")[2].strip() == f"{before_report:.1f}"
+
+
 def test_report_and_figures(smoke_run) -> None:
     report = (smoke_run / "report.md").read_text()
     assert "LAP TR" in report and "VAN TR" in report and "FGM ε=0.1" in report

@@ -32,6 +32,7 @@ from training.presets import get_train_preset
 from training.presets.pipelines import PipelineConfig
 from training.progress import PipelineProgress
 from training.rundir import RunDir
+from training.timings import record_reference
 from training.trainer import train
 
 
@@ -415,7 +416,11 @@ def run_pipeline(
     init_run(config, run)
     pipeline = PipelineRun(config, run, root=root, progress=progress)
     steps = pipeline_steps(pipeline)
-    tracker = PipelineProgress(pipeline.dir.progress_file, preset=config.name, total=len(steps))
+    timings = pipeline.dir.timings_file
+    tracker = PipelineProgress(
+        pipeline.dir.progress_file, preset=config.name, total=len(steps), timings=timings
+    )
+    record_reference(timings)
     outputs: dict[str, Any] = {}
     with tracker.run():
         for name, call in steps:

@@ -13,6 +13,7 @@ The file is rewritten atomically when a step starts and when it ends::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from detector import artefacts
+from training.timings import record_step
 
 State = Literal["running", "done", "failed"]
 
@@ -29,10 +31,12 @@ def _now() -> str:
 
 
 class PipelineProgress:
-    """Writes ``path`` as the steps of one pipeline run (``total`` of them) start and end."""
+    """Writes ``path`` as the steps of one pipeline run (``total`` of them) start and end, and
+    appends each finished step's wall seconds to ``timings`` (:mod:`training.timings`) if given."""
 
-    def __init__(self, path: Path, *, preset: str, total: int) -> None:
+    def __init__(self, path: Path, *, preset: str, total: int, timings: Path | None = None) -> None:
         self.path = Path(path)
+        self.timings = timings
         self.preset = preset
         self.total = total
         self.done = 0
@@ -71,11 +75,14 @@ class PipelineProgress:
         the run failed with its message and propagates."""
         self.current = name
         self.write(name, "running")
+        started = time.perf_counter()
         try:
             yield
         except BaseException as error:
             self.fail(error)
             raise
+        if self.timings is not None:
+            record_step(self.timings, name, time.perf_counter() - started)
         self.done += 1
         self.write(name, "running" if self.done < self.total else "done")
 

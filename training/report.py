@@ -39,6 +39,7 @@ from training.plots import (
     plot_transport_histograms,
 )
 from training.rundir import RunDir
+from training.timings import grouped_minutes, read_timings, step_seconds
 
 NOT_RUN = "not run"
 CLEAN = "clean"
@@ -841,6 +842,31 @@ def timing_section(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def run_time_section(run_dir: Path) -> list[str]:
+    """Minutes per group of pipeline steps (``RUN/timings.jsonl``) and the machine's reference
+    workload, so a run's time can be set beside another machine's."""
+    rows = read_timings(run_dir)
+    minutes = grouped_minutes(step_seconds(rows))
+    lines = ["## Where the run's time went", ""]
+    if not rows:
+        return lines + ["No timings.jsonl in this run (a run from before it was kept).", ""]
+    table = [[label, f"{value:.1f}"] for label, value in minutes]
+    lines += [markdown_table(["Steps", "Wall minutes"], table), ""]
+    references = [r for r in rows if r.get("event") == "reference"]
+    if references:
+        torch_s = [r["torch_seconds"] for r in references]
+        forest_s = [r["forest_seconds"] for r in references]
+        lines += [
+            f"Wall time per step summed over {len(references)} invocation(s), up to this report "
+            "(the report and bundle steps come after it; a cached step costs ~0). The machine's "
+            f"reference workload (`training.timings`, {references[0].get('threads', '?')} torch "
+            f"threads): torch {min(torch_s):.2f}-{max(torch_s):.2f} s, forest "
+            f"{min(forest_s):.2f}-{max(forest_s):.2f} s; divide a time by it to compare machines.",
+            "",
+        ]
+    return lines
+
+
 def notes_section(
     run_dir: Path, config: Mapping[str, Any], models: Sequence[str], scores: Mapping[Any, Any]
 ) -> list[str]:
@@ -1029,6 +1055,7 @@ def write_report(run_dir: Path) -> Path:
         *adaptive_section(results, run_dir),
         *learning_curve_section(run_dir, results),
         *timing_section(results),
+        *run_time_section(run_dir),
         *dynamics_section(run_dir),
         *(["## Figures", "", *figures] if figures else []),
         *notes_section(run_dir, config, models, scores),

@@ -45,6 +45,7 @@ DIAGNOSTICS_FILE = "diagnostics.json"
 REPORT_FILE = "report.md"
 PROGRESS_FILE = "progress.json"
 PIPELINE_LOG = "pipeline.log"
+TIMINGS_FILE = "timings.jsonl"
 MODELS_DIR = "models"
 ATTACKS_DIR = "attacks"
 FEATURES_DIR = "features"
@@ -150,6 +151,10 @@ class RunDir:
     @property
     def progress_file(self) -> Path:
         return self.path / PROGRESS_FILE
+
+    @property
+    def timings_file(self) -> Path:
+        return self.path / TIMINGS_FILE
 
     @property
     def pipeline_log(self) -> Path:
