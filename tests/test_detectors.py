@@ -231,3 +231,22 @@ def test_transport_features_feed_the_detector_end_to_end(
         features[train], y[train], logits[train].argmax(1)
     )
     assert auroc(y[test], detector.score(features[test], logits[test].argmax(1))) > 0.9
+
+
+def test_vote_fraction_is_the_mean_of_each_trees_predict() -> None:
+    """The one-conversion walk gives every tree's own ``predict`` vote, float64 input or
+    float32, a forest of one class too; a wrong width is refused (apply would not check it)."""
+    from sklearn.ensemble import RandomForestClassifier
+
+    from detector.base import vote_fraction
+
+    x, y, _ = _separated(300, 0, shift=0.8)  # overlapping: many split votes
+    forest = RandomForestClassifier(40, random_state=0, min_samples_leaf=2).fit(x, y)
+    single = RandomForestClassifier(5, random_state=0).fit(x, np.zeros(len(x), int))
+    rows = np.random.default_rng(1).normal(size=(200, 6))
+    for fitted, test in ((forest, rows), (forest, rows.astype(np.float32)), (single, rows)):
+        expected = np.mean([tree.predict(test) for tree in fitted.estimators_], axis=0)
+        np.testing.assert_array_equal(vote_fraction(fitted, test), expected)
+    assert 0 < vote_fraction(forest, rows).mean() < 1
+    with pytest.raises(InputError, match="takes 6 features, got 5"):
+        vote_fraction(forest, rows[:, :5])
