@@ -67,6 +67,12 @@ DEPLOYED = {
     "general alone, class mean 0.01 + margin 0.01": dict(
         class_conditional=False, tail=0.01, margin_tail=0.01, novelty_distance="class-mean"
     ),
+    "class OR general, nearest 0.025 + margin 0.025 + penultimate 0.025, 300 trees": dict(
+        class_conditional=True,
+        novelty_distance="nearest",
+        penultimate_tail=0.025,
+        n_estimators=300,
+    ),  # fmt: skip
 }  # every row: family forests, 4 clean rows per family row
 PROXY_IMAGES = 1000  # validation clean images each OOD proxy is made from
 

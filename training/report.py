@@ -854,17 +854,21 @@ def run_time_section(run_dir: Path) -> list[str]:
     lines += [markdown_table(["Steps", "Wall minutes"], table), ""]
     references = [r for r in rows if r.get("event") == "reference"]
     if references:
-        torch_s = [r["torch_seconds"] for r in references]
-        forest_s = [r["forest_seconds"] for r in references]
         lines += [
             f"Wall time per step summed over {len(references)} invocation(s), up to this report "
             "(the report and bundle steps come after it; a cached step costs ~0). The machine's "
             f"reference workload (`training.timings`, {references[0].get('threads', '?')} torch "
-            f"threads): torch {min(torch_s):.2f}-{max(torch_s):.2f} s, forest "
-            f"{min(forest_s):.2f}-{max(forest_s):.2f} s; divide a time by it to compare machines.",
+            f"threads): torch {_span(references, 'torch_seconds')}, forest "
+            f"{_span(references, 'forest_seconds')}; divide a time by it to compare machines.",
             "",
         ]
     return lines
+
+
+def _span(rows: Sequence[Mapping[str, Any]], key: str) -> str:
+    """'0.84 s', or '0.84-1.20 s' over several rows."""
+    low, high = min(r[key] for r in rows), max(r[key] for r in rows)
+    return f"{low:.2f} s" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f} s"
 
 
 def notes_section(
