@@ -689,13 +689,13 @@ def _calibration_note(
 
 
 def _saturation_note(calibration: Mapping[str, Any]) -> str:
-    """A warning when the threshold sits at tied top clean scores (``Calibration.saturated``)."""
+    """A warning when the threshold is the clean scores' maximum (``Calibration.saturated``)."""
     if not calibration.get("saturated"):
         return ""
     return (
-        " **Warning: this threshold is the clean scores' maximum, at which more than the target "
-        "share of them tie: only inputs scoring above every clean image are flagged, and a "
-        "detector whose scores stop there flags nothing. Calibrate on more clean images.**"
+        " **Warning: this threshold is the clean scores' maximum (too many tie there, or too few "
+        "images for the confidence): only inputs scoring above every clean image are flagged, "
+        "and a detector whose scores stop there flags nothing. Calibrate on more clean images.**"
     )
 
 
