@@ -16,18 +16,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
 from detector import artefacts
-from training.timings import record_step
+from training.timings import record_step, utc_now
 
 State = Literal["running", "done", "failed"]
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 class PipelineProgress:
@@ -40,7 +35,7 @@ class PipelineProgress:
         self.preset = preset
         self.total = total
         self.done = 0
-        self.started = _now()
+        self.started = utc_now()
         self.current = "start"  # the step under way, or the last one
         self.failed = False
 
@@ -53,7 +48,7 @@ class PipelineProgress:
             "total": self.total,
             "state": state,
             "started": self.started,
-            "updated": _now(),
+            "updated": utc_now(),
             "message": message,
         }
         artefacts.write_json(self.path, payload)

@@ -82,7 +82,7 @@ def record_reference(path: Path) -> dict[str, Any]:
         "event": "reference",
         **reference_seconds(),
         "threads": torch.get_num_threads(),
-        "at": _now(),
+        "at": utc_now(),
     }
     artefacts.append_jsonl(path, row)
     return row
@@ -90,7 +90,7 @@ def record_reference(path: Path) -> dict[str, Any]:
 
 def record_step(path: Path, step: str, seconds: float) -> None:
     """Append one finished step's wall seconds to ``path``."""
-    row = {"event": "step", "step": step, "seconds": round(seconds, 3), "finished": _now()}
+    row = {"event": "step", "step": step, "seconds": round(seconds, 3), "finished": utc_now()}
     artefacts.append_jsonl(path, row)
 
 
@@ -118,5 +118,6 @@ def read_timings(run: str | Path) -> list[dict[str, Any]]:
     return artefacts.read_jsonl(Path(run) / TIMINGS_FILE)
 
 
-def _now() -> str:
+def utc_now() -> str:
+    """The current UTC time to the second, ISO 8601 (the run files' timestamps)."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
