@@ -79,6 +79,26 @@ def stacked(columns: list[int], c: float, keep_max: list[int]) -> Callable[..., 
     return learn
 
 
+def clean_ranked(columns: list[int]) -> Callable[..., Scorer]:
+    """A learner: each of ``columns`` mapped to its clean CDF (the share of the learning half's
+    clean rows scoring strictly lower), so every part spends a like share of the false-positive
+    budget; the combined score is their max (other columns as they are)."""
+
+    def learn(clean: np.ndarray, attacks: list[np.ndarray]) -> Scorer:
+        sorted_clean = {j: np.sort(clean[:, j]) for j in columns}
+
+        def score(p: np.ndarray) -> np.ndarray:
+            out = p.astype(np.float64).copy()
+            for j, ranks in sorted_clean.items():
+                out[:, j] = np.searchsorted(ranks, p[:, j], side="left") / len(ranks)
+                out[:, j] += 1e-3 * p[:, j]  # orders scores that share a CDF value
+            return out.max(1)
+
+        return score
+
+    return learn
+
+
 def combiners(names: list[str]) -> dict[str, Callable[..., Scorer]]:
     every = list(range(len(names)))
     clean_only = [i for i, n in enumerate(names) if n in CLEAN_ONLY]
@@ -89,6 +109,11 @@ def combiners(names: list[str]) -> dict[str, Callable[..., Scorer]]:
         "stacked, every part, C 1": stacked(every, 1.0, []),
         "max(stacked forests C 0.1, clean-only parts)": stacked(forests, 0.1, clean_only),
         "max(stacked forests C 1, clean-only parts)": stacked(forests, 1.0, clean_only),
+        "max of every part's clean CDF": clean_ranked(every),
+        "max(forests' clean CDFs, clean-only parts)": clean_ranked(forests),
+        "max of every part but the pooled forests": lambda clean, attacks: (
+            lambda p: p[:, every[1:]].max(1)
+        ),
         "max(pooled forests, clean-only parts)": lambda clean, attacks: (
             lambda p: p[:, [0, *clean_only]].max(1)
         ),
