@@ -128,9 +128,9 @@ def main() -> None:
     )
     split, _, is_validation = validation_cut(run, name)
     val = masker(is_validation)
-    proxies = ood_proxies(run, name, val(run.samples(name).clean))
-    detector, _ = deployed_analog(run, name, data.clean, data.attacks, penultimate_tail=0.025)
     clean, attacks = val(data.clean), {k: val(a) for k, a in data.attacks.items()}
+    proxies = ood_proxies(run, name, clean)
+    detector, _ = deployed_analog(run, name, data.clean, data.attacks, penultimate_tail=0.025)
     parts = {"clean": part_matrix(detector, clean)} | {
         k: part_matrix(detector, a) for k, a in attacks.items()
     }

@@ -266,7 +266,7 @@ def main() -> None:
         run, name, EnsembleDetector(), [data.clean, *data.attacks.values(), *data.ood.values()]
     )
     _, _, is_validation = validation_cut(run, name)
-    proxies = ood_proxies(run, name, masker(is_validation)(run.samples(name).clean))
+    proxies = ood_proxies(run, name, masker(is_validation)(data.clean))
     unseen_table(run, name, proxies)
     deployed_table(run, name, proxies)
 

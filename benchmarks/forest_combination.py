@@ -71,8 +71,9 @@ def main() -> None:
             cells.append(f"{means[rule][-1]:.2f} ({100 * fpr:.2f} / {100 * tpr:.2f})")
         print(f"| {key} | " + " | ".join(cells) + " |", flush=True)
     print("| mean | " + " | ".join(f"{np.mean(v):.2f}" for v in means.values()) + " |")
+    proxies = ood_proxies(run, name, val(data.clean))
     for train in UNSEEN_TRAIN:
-        unseen_table(data, fit, val, train, ood_proxies(run, name, val(run.samples(name).clean)))
+        unseen_table(data, fit, val, train, proxies)
 
 
 UNSEEN_TRAIN = ("fgm-eps0.1", "cw")
