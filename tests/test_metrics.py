@@ -16,7 +16,7 @@ from detector.calibration import (
     empirical_fpr,
     fpr_upper_bound,
 )
-from detector.errors import ConfigError, InputError
+from detector.errors import ArtefactError, ConfigError, InputError
 from detector.metrics import auroc, detection_metrics, fpr_at_tpr, roc_curve
 
 
@@ -149,6 +149,34 @@ def test_a_threshold_at_tied_top_scores_is_flagged_saturated_with_a_warning() ->
         assert Calibration.from_scores(uniform[:20], 0.05, confidence=0.95).saturated
     unsaturated = {k: v for k, v in calibration.to_dict().items() if k != "saturated"}
     assert not Calibration.from_dict(unsaturated).saturated  # older bundles and runs load
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"threshold": "0.7"}, "threshold '0.7' is not a finite number"),
+        ({"threshold": float("nan")}, "threshold nan is not a finite number"),
+        ({"target_fpr": 1.5}, r"rates out of \[0, 1\]"),
+        ({"n": 0}, "n 0 is not a positive count"),
+        ({"n": True}, "n True is not a positive count"),
+        ({"confidence": 1.0}, r"confidence 1.0 is not in \(0, 1\)"),
+        ({"saturated": "no"}, "saturated 'no' is not true or false"),
+        ({"thresold": 0.7}, r"unknown fields \['thresold'\]"),
+        ({"threshold": None}, "threshold None is not a finite number"),
+    ],
+)
+def test_a_corrupt_calibration_is_refused_with_what_is_wrong(
+    change: dict[str, object], message: str
+) -> None:
+    """An edited or damaged deployable.json never loads into a threshold that flags wrongly."""
+    data = Calibration.from_scores(np.arange(100.0), 0.05).to_dict()
+    with pytest.raises(ArtefactError, match=message):
+        Calibration.from_dict({**data, **change})
+    missing = {k: v for k, v in data.items() if k != "n"}
+    with pytest.raises(ArtefactError, match=r"lacks \['n'\]"):
+        Calibration.from_dict(missing)
+    with pytest.raises(ArtefactError, match="must be a JSON object, got list"):
+        Calibration.from_dict([data])
 
 
 def test_too_few_images_for_the_confidence_give_the_highest_score() -> None:

@@ -148,6 +148,12 @@ def test_fit_deploys_every_offered_detector(smoke_run, tmp_path, capsys) -> None
     guard = Guard.from_bundle(tmp_path / "b", device="cpu")
     assert guard.manifest is not None and guard.manifest.detector.kind == "quantile"
     assert guard.threshold == calibration["threshold"]
+    # an edited deployable.json whose threshold is no number: refused by name, nothing bundled
+    info["calibration"]["threshold"] = "low"
+    (run / "detector" / "deployable.json").write_text(json.dumps(info))
+    assert cli_main(["bundle", "--run", str(run), "--out", str(tmp_path / "c")]) == 2
+    assert "threshold 'low' is not a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
 
 
 def test_held_out_clean_flags_split_by_whether_the_network_is_right(smoke_run, data_root) -> None:

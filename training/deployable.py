@@ -296,7 +296,9 @@ def load_deployable(run: str | Path) -> tuple[Detector, Calibration, dict[str, A
             f"no fitted detector in {directory}; run `lapguard fit --run {run}` first"
         )
     info = artefacts.read_json(directory / DEPLOYABLE_FILE, what="deployable detector")
-    return load_detector(directory), Calibration.from_dict(info["calibration"]), info
+    if not isinstance(info, dict):
+        raise ArtefactError(f"{directory / DEPLOYABLE_FILE} must hold a JSON object")
+    return load_detector(directory), Calibration.from_dict(info.get("calibration")), info
 
 
 def bundle_metrics(run: str | Path, info: dict[str, Any]) -> dict[str, float]:
