@@ -4,15 +4,17 @@ knowledge and in the surrogate it distils."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from detector.errors import ArtefactError
 from detector.features import penultimate_width
 from training.adaptive import build_attacker, part_flags, target_margins
-from training.adaptive_target import TargetSpec, fit_target
+from training.adaptive_target import TARGET_FILE, TargetSpec, fit_target, target_dir
 from training.pipeline import PipelineRun
 
 pytestmark = pytest.mark.slow  # the smoke run
@@ -54,3 +56,11 @@ def test_an_ensemble_target_and_its_attacker_read_the_penultimate_embedding(
     np.testing.assert_allclose(
         again.guard.predict(clean.images).scores, target.guard.predict(clean.images).scores
     )
+
+    # A damaged cache is refused by name, not read into a wrong threshold.
+    saved = target_dir(run, name, TargetSpec("ensemble")) / TARGET_FILE
+    info = json.loads(saved.read_text())
+    for calibrations in ([], [{**info["calibrations"][0], "threshold": None}]):
+        saved.write_text(json.dumps({**info, "calibrations": calibrations}))
+        with pytest.raises(ArtefactError, match="calibration"):
+            fit_target(run, name, TargetSpec("ensemble"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from detector import artefacts
 from detector.base import Detector
 from detector.calibration import Calibration
-from detector.errors import InputError
+from detector.errors import ArtefactError, InputError
 from detector.features import FeatureSpec
 from detector.guard import Guard
 from detector.registry import get_detector, load_detector
@@ -127,6 +128,17 @@ def _member_training(train: Samples, k: int, members: int) -> Samples:
     return train.take(np.isin(train.indices, keep))
 
 
+def _saved_calibrations(info: Any, members: int, path: Path) -> list[Calibration]:
+    """The members' calibrations a cached target holds; a damaged cache raises ArtefactError."""
+    saved = info.get("calibrations") if isinstance(info, dict) else None
+    if not isinstance(saved, list) or len(saved) != members:
+        raise ArtefactError(
+            f"adaptive target {path} holds no calibration for each of its {members} members; "
+            f"delete {path.parent} to fit the target again"
+        )
+    return [Calibration.from_dict(c) for c in saved]
+
+
 def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
     """Fit (or load) the target of network ``name``: each member on the training side of the
     network's attack sets in equal shares, each row marked with its attack family (as the
@@ -143,7 +155,7 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
     if saved.is_file():
         info = artefacts.read_json(saved, what="adaptive target")
         detectors = [load_detector(out / f"member-{k}") for k in range(spec.members)]
-        calibrations = [Calibration.from_dict(c) for c in info["calibrations"]]
+        calibrations = _saved_calibrations(info, spec.members, saved)
     else:
         clean_train = split.train(data.clean)
         attacked = deploy_parts(config, data.attacks, split)
