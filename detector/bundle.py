@@ -28,7 +28,7 @@ from safetensors.torch import load_file as load_torch
 from detector.artefacts import sha256_file, write_text
 from detector.base import Detector
 from detector.calibration import Calibration
-from detector.errors import ArtefactError, ConfigError
+from detector.errors import ArtefactError, ConfigError, validation_problems
 from detector.explain import EXPLAIN_FILE, CleanBand, Gallery, GalleryItem
 from detector.features import FeatureSpec
 from detector.networks import (
@@ -341,9 +341,7 @@ def read_manifest(path: str | Path) -> BundleManifest:
     try:
         manifest = BundleManifest.model_validate(data)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'manifest'}: {e['msg']}" for e in error.errors()
-        )
+        problems = validation_problems(error.errors(), "manifest")
         raise ArtefactError(f"invalid bundle manifest {manifest_path}: {problems}") from error
     unlisted = [f for f in REQUIRED_FILES if f not in manifest.files]
     if unlisted:

@@ -7,13 +7,22 @@ is flagged when its score is STRICTLY greater than the threshold.
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import (
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+)
 from scipy import stats
 
-from detector.errors import ArtefactError, ConfigError, InputError
+from detector.errors import ArtefactError, ConfigError, InputError, validation_problems
 
 
 class CalibrationWarning(UserWarning):
@@ -85,13 +94,16 @@ class Calibration:
     scores stop there flags nothing): :meth:`from_scores` warns with :class:`CalibrationWarning`.
     """
 
-    threshold: float
-    target_fpr: float
-    achieved_fpr: float
-    n: int
-    default_vote_threshold: float = 0.5
-    confidence: float | None = None
-    saturated: bool = False
+    # what from_dict accepts (pydantic: exact JSON types, finite numbers, no unknown field)
+    __pydantic_config__ = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    threshold: StrictFloat
+    target_fpr: Annotated[StrictFloat, Field(ge=0, lt=1)]
+    achieved_fpr: Annotated[StrictFloat, Field(ge=0, le=1)]
+    n: Annotated[StrictInt, Field(ge=1)]
+    default_vote_threshold: StrictFloat = 0.5
+    confidence: Annotated[StrictFloat, Field(gt=0, lt=1)] | None = None
+    saturated: StrictBool = False
 
     @classmethod
     def from_scores(
@@ -132,50 +144,11 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, data: Any) -> Calibration:
-        """The calibration :meth:`to_dict` wrote; a corrupt or edited one raises
-        :class:`ArtefactError` naming what is wrong (it never builds a calibration that would
-        flag at the wrong threshold)."""
-        if not isinstance(data, dict):
-            raise ArtefactError(f"a calibration must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown, missing = sorted(set(data) - names), sorted(_REQUIRED - set(data))
-        if unknown or missing:
-            raise ArtefactError(
-                f"calibration has unknown fields {unknown} or lacks {missing}; "
-                "re-create it (`lapguard fit --run RUN`)"
-            )
-        calibration = cls(**data)
-        problems = _calibration_problems(calibration)
-        if problems:
-            raise ArtefactError(f"calibration is corrupt: {'; '.join(problems)}")
-        return calibration
-
-
-_REQUIRED = {"threshold", "target_fpr", "achieved_fpr", "n"}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value)
-
-
-def _calibration_problems(c: Calibration) -> list[str]:
-    """What makes a loaded calibration unusable (empty when nothing does)."""
-    problems = [
-        f"{name} {value!r} is not a finite number"
-        for name, value in (
-            ("threshold", c.threshold),
-            ("target_fpr", c.target_fpr),
-            ("achieved_fpr", c.achieved_fpr),
-            ("default_vote_threshold", c.default_vote_threshold),
-        )
-        if not _is_number(value)
-    ]
-    if not problems and not (0 <= c.target_fpr < 1 and 0 <= c.achieved_fpr <= 1):
-        problems.append(f"rates out of [0, 1]: target {c.target_fpr}, achieved {c.achieved_fpr}")
-    if not isinstance(c.n, int) or isinstance(c.n, bool) or c.n < 1:
-        problems.append(f"n {c.n!r} is not a positive count")
-    if c.confidence is not None and not (_is_number(c.confidence) and 0 < c.confidence < 1):
-        problems.append(f"confidence {c.confidence!r} is not in (0, 1)")
-    if not isinstance(c.saturated, bool):
-        problems.append(f"saturated {c.saturated!r} is not true or false")
-    return problems
+        """The calibration :meth:`to_dict` wrote, checked against the field types and bounds
+        above; a corrupt or edited one raises :class:`ArtefactError` naming what is wrong (it
+        never builds a calibration that would flag at the wrong threshold)."""
+        try:
+            return TypeAdapter(cls).validate_python(data)
+        except ValidationError as error:
+            problems = validation_problems(error.errors(), "calibration")
+            raise ArtefactError(f"calibration is corrupt: {problems}") from error

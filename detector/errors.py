@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def validation_problems(errors: list[Any], what: str = "") -> str:
+    """A pydantic ``ValidationError.errors()`` list as one line: 'field.path: message; ...'
+    (``what`` names an error that belongs to no field)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or what}: {e['msg']}" for e in errors)
+
 
 class LapguardError(Exception):
     """Base class of every error lapguard raises on purpose."""

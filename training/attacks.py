@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from torch import nn
 from tqdm.auto import tqdm
 
-from detector.errors import ConfigError, InputError
+from detector.errors import ConfigError, InputError, validation_problems
 from detector.networks import NetworkConfig, resolve_device
 
 Norm = Literal["Linf", "L2", "L1"]
@@ -256,9 +256,7 @@ def make_attack_params(
     try:
         return spec.params.model_validate(overrides)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or name}: {e['msg']}" for e in error.errors()
-        )
+        problems = validation_problems(error.errors(), name)
         raise ConfigError(f"invalid parameters for attack {name!r}: {problems}") from error
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from detector.errors import ConfigError
+from detector.errors import ConfigError, validation_problems
 from training.config import TrainConfig, read_train_config
 from training.presets import get_train_preset
 
@@ -28,7 +28,7 @@ def resolve_train_config(
     try:
         return config.model_validate({**config.model_dump(), **updates})
     except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        problems = validation_problems(error.errors())
         raise ConfigError(f"invalid training config override: {problems}") from error
 
 
