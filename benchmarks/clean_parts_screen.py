@@ -26,7 +26,7 @@ from sklearn.decomposition import PCA
 from detector.penultimate import penultimate_embedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ensemble_parts import masker, ood_proxies, open_run, run_arguments, validation_cut  # noqa: E402
+from ensemble_parts import ood_proxies, training_side  # noqa: E402
 
 FPR = 0.0125
 Scorer = Callable[[np.ndarray], np.ndarray]
@@ -75,10 +75,7 @@ def embedding_candidates(clean: np.ndarray) -> dict[str, Scorer]:
 
 
 def main() -> None:
-    run, name = open_run(run_arguments(__doc__.splitlines()[0]).parse_args())
-    data = run.samples(name)
-    _, is_fit, is_val = validation_cut(run, name)
-    fit, val = masker(is_fit), masker(is_val)
+    run, name, data, fit, val = training_side(__doc__.splitlines()[0])
     sets = {"clean": val(data.clean).images, **{k: v.images for k, v in ood_proxies(
         run, name, val(data.clean)).items()}}  # fmt: skip
     sets.update({k: val(a).images for k, a in data.attacks.items()})

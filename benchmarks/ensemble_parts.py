@@ -259,6 +259,16 @@ def open_run(args: argparse.Namespace) -> tuple[PipelineRun, str]:
     return run, args.network or run.config.deploy_model
 
 
+def training_side(
+    description: str,
+) -> tuple[PipelineRun, str, Any, Callable[[Samples], Samples], Callable[[Samples], Samples]]:
+    """The command line's run and network, that network's samples, and the maskers of the fit
+    part and the validation quarter of its seed-0 training side (:func:`validation_cut`)."""
+    run, name = open_run(run_arguments(description).parse_args())
+    _, is_fit, is_val = validation_cut(run, name)
+    return run, name, run.samples(name), masker(is_fit), masker(is_val)
+
+
 def main() -> None:
     run, name = open_run(run_arguments(__doc__.splitlines()[0]).parse_args())
     data = run.samples(name)  # every set with its penultimate embedding (cached in the run)

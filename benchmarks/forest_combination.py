@@ -24,14 +24,7 @@ import numpy as np
 from detector.forest import TransportDetector
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ensemble_parts import (  # noqa: E402
-    masker,
-    ood_proxies,
-    open_run,
-    run_arguments,
-    sources,
-    validation_cut,
-)
+from ensemble_parts import ood_proxies, sources, training_side  # noqa: E402
 
 RULES = ("max", "mean", "general", "class")
 
@@ -47,10 +40,7 @@ def combined(general: np.ndarray, own: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    run, name = open_run(run_arguments(__doc__.splitlines()[0]).parse_args())
-    data = run.samples(name)
-    _, is_fit, is_val = validation_cut(run, name)
-    fit, val = masker(is_fit), masker(is_val)
+    run, name, data, fit, val = training_side(__doc__.splitlines()[0])
     print(f"Seen analog ({name}), balanced accuracy at 0.5 (%), clean FPR / TPR in brackets:\n")
     print("| attack | " + " | ".join(RULES) + " |")
     print("|---" + "|---:" * len(RULES) + "|")

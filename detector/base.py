@@ -105,6 +105,29 @@ def check_class_labels(labels: np.ndarray, n: int, name: str = "predicted_labels
     return array.astype(np.int64)
 
 
+def oob_vote_fraction(forest: RandomForestClassifier, features: np.ndarray) -> np.ndarray:
+    """Out-of-bag hard votes on the rows ``forest`` was fitted on (in their order): per row, the
+    fraction voting class 1 among the trees whose bootstrap sample did not draw it, float64 [N];
+    NaN where every tree drew it (always, without bootstrap). As :func:`vote_fraction`, a vote is
+    the class index of the tree's leaf's largest value."""
+    x = np.ascontiguousarray(check_array(features), dtype=np.float32)
+    votes = np.zeros(len(x), dtype=np.int64)
+    counts = np.zeros(len(x), dtype=np.int64)
+    if not forest.bootstrap:  # every tree saw every row
+        return np.full(len(x), np.nan)
+    for tree, drawn in zip(forest.estimators_, forest.estimators_samples_, strict=True):
+        out = np.ones(len(x), dtype=bool)
+        out[drawn] = False
+        if not out.any():
+            continue
+        leaf_class = tree.tree_.value[:, 0, :].argmax(axis=1)
+        votes[out] += leaf_class[tree.apply(x[out], check_input=False)]
+        counts += out
+    fraction = np.full(len(x), np.nan)
+    np.divide(votes, counts, out=fraction, where=counts > 0)
+    return fraction
+
+
 def vote_fraction(forest: RandomForestClassifier, features: np.ndarray) -> np.ndarray:
     """Fraction of a fitted binary forest's trees voting class 1 (hard votes), float64 [N]: each
     tree's ``predict`` (the class index of its leaf's largest value, ties to 0), with the input
@@ -143,6 +166,12 @@ class Detector(BaseEstimator):
     def score_samples(self, samples: SampleSet) -> np.ndarray:
         """Abnormality scores of a sample set, float64 [N]: HIGHER = MORE ABNORMAL."""
         raise NotImplementedError
+
+    def decision_threshold(self) -> float | None:
+        """The fitted detector's own decision (flag = score > it): ``info.default_threshold`` by
+        default, a threshold learnt in ``fit`` where a detector learns one; None: it decides at
+        the threshold calibrated at a target FPR."""
+        return self.info.default_threshold
 
     def prepare(self: Self, model: nn.Module, images: np.ndarray, labels: np.ndarray) -> Self:
         """Fit what the detector learns from clean training images once (a no-op by default)."""

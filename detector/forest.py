@@ -38,13 +38,16 @@ from detector.base import (
     check_binary_labels,
     check_class_labels,
     check_fitted,
+    oob_vote_fraction,
     vote_fraction,
 )
 from detector.errors import ArtefactError, InputError
 from detector.features import check_features
+from detector.metrics import balanced_threshold
 from detector.registry import register_detector
 
 _COMPACT_EVERY = 8
+DECISIONS = ("majority", "oob")  # see TransportDetector
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,8 +236,15 @@ class TransportDetector(Detector):
     ``class_conditional``, one forest per predicted class that has at least
     ``min_class_samples`` clean AND abnormal samples (other classes use the general forest).
     ``score(features, predicted_labels)`` = max over (class forest, general forest) of the
-    fraction of trees voting abnormal: HIGHER = MORE ABNORMAL, in [0, 1]. ``predict`` flags a
-    score > 0.5 (either forest's majority vote).
+    fraction of trees voting abnormal: HIGHER = MORE ABNORMAL, in [0, 1].
+
+    ``decision``, its own decision (``predict``, :meth:`decision_threshold`): ``"majority"``
+    flags a score > 0.5, either forest's majority vote (the seed's); ``"oob"`` (default) flags a
+    score above the threshold ``threshold_`` of the best balanced accuracy of the same score on
+    the fitting rows' out-of-bag votes (each row voted on by the trees that did not draw it), the
+    one nearest 0.5 among equals. The OR of two forests adds their false positives at 0.5; the
+    out-of-bag point, learnt on the training side only, weighs them against the misses (see
+    benchmarks/RESULTS.md, "the transport detector's own decision").
     """
 
     info = DetectorInfo(
@@ -252,6 +262,7 @@ class TransportDetector(Detector):
         max_depth: int | None = None,
         class_conditional: bool = True,
         min_class_samples: int = 20,
+        decision: str = "oob",
         random_state: int | None = 0,
         n_jobs: int | None = None,
     ) -> None:
@@ -259,6 +270,7 @@ class TransportDetector(Detector):
         self.max_depth = max_depth
         self.class_conditional = class_conditional
         self.min_class_samples = min_class_samples
+        self.decision = decision
         self.random_state = random_state
         self.n_jobs = n_jobs
 
@@ -280,6 +292,8 @@ class TransportDetector(Detector):
         predicted = check_class_labels(predicted_labels, len(x))
         if self.n_estimators < 1:
             raise InputError(f"n_estimators must be >= 1, got {self.n_estimators}")
+        if self.decision not in DECISIONS:
+            raise InputError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
         general = self._forest(0).fit(x, y)
         class_forests: dict[int, RandomForestClassifier] = {}
         if self.class_conditional:
@@ -293,7 +307,29 @@ class TransportDetector(Detector):
         self.class_forests_ = class_forests
         self.class_ids_ = np.asarray(sorted(class_forests), dtype=np.int64)
         self.arrays_ = forest_arrays([general] + [class_forests[int(c)] for c in self.class_ids_])
+        self.threshold_ = self._oob_threshold(x, y, predicted)
         return self
+
+    def _oob_threshold(self, x: np.ndarray, y: np.ndarray, predicted: np.ndarray) -> float:
+        """The ``"oob"`` decision's threshold on the fitting rows (0.5 for ``"majority"``, or
+        when no row has out-of-bag votes of both labels)."""
+        if self.decision == "majority" or self.forest_ is None:
+            return DEFAULT_VOTE_THRESHOLD
+        general = oob_vote_fraction(self.forest_, x)
+        own = general.copy()
+        for c, forest in self.class_forests_.items():
+            mask = predicted == c
+            own[mask] = oob_vote_fraction(forest, x[mask])
+        score = np.fmax(general, own)  # the score's OR; NaN only where both forests drew a row
+        voted = ~np.isnan(score)
+        if len(np.unique(y[voted])) < 2:
+            return DEFAULT_VOTE_THRESHOLD
+        return balanced_threshold(y[voted], score[voted], prefer=DEFAULT_VOTE_THRESHOLD)
+
+    def decision_threshold(self) -> float:
+        """Its own decision: flag a score > this (see the class docstring)."""
+        check_fitted(self)
+        return float(self.threshold_)
 
     def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> TransportDetector:
         """Fit on the transport features and predicted labels of clean vs abnormal samples."""
@@ -338,8 +374,8 @@ class TransportDetector(Detector):
         return general, own
 
     def predict(self, features: np.ndarray, predicted_labels: np.ndarray) -> np.ndarray:
-        """True where either forest's majority votes abnormal (score > 0.5)."""
-        return self.score(features, predicted_labels) > DEFAULT_VOTE_THRESHOLD
+        """True where the score is above its own decision (:meth:`decision_threshold`)."""
+        return self.score(features, predicted_labels) > self.decision_threshold()
 
     def to_torch(self) -> TransportScorer:
         """The fitted forests as a torch module: ``forward(features [N,F], predicted [N]) -> scores [N]``."""
@@ -351,7 +387,11 @@ class TransportDetector(Detector):
         check_fitted(self)
         arrays = dict(self.arrays_)
         arrays["class_ids"] = self.class_ids_
-        params = {**self.get_params(), "n_features_in": int(self.n_features_in_)}
+        params = {
+            **self.get_params(),
+            "n_features_in": int(self.n_features_in_),
+            "threshold": float(self.threshold_),
+        }
         return arrays, params
 
     @classmethod
@@ -363,6 +403,8 @@ class TransportDetector(Detector):
         params = dict(params)
         try:
             n_features = int(params.pop("n_features_in"))
+            # saved before the learnt decision: the majority vote
+            threshold = float(params.pop("threshold", DEFAULT_VOTE_THRESHOLD))
             detector = cls(**params)
             trees = {k: np.asarray(v) for k, v in arrays.items() if k != "class_ids"}
             class_ids = np.asarray(arrays["class_ids"], dtype=np.int64)
@@ -370,6 +412,8 @@ class TransportDetector(Detector):
             raise ArtefactError(
                 f"transport detector arrays/params are incomplete: {error}"
             ) from error
+        if not 0.0 <= threshold <= 1.0:
+            raise ArtefactError(f"transport detector threshold must be in [0, 1], got {threshold}")
         _check_arrays(trees)
         if len(trees["roots"]) != len(class_ids) + 1:
             raise ArtefactError(
@@ -380,5 +424,6 @@ class TransportDetector(Detector):
         detector.class_forests_ = {}
         detector.class_ids_ = class_ids
         detector.arrays_ = trees
+        detector.threshold_ = threshold
         TensorForest(trees, n_features)  # validates feature indices
         return detector

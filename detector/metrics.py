@@ -1,4 +1,5 @@
-"""Detection metrics in numpy: ROC curve, AUROC, FPR at 95% TPR, accuracy, TPR/FPR.
+"""Detection metrics in numpy: ROC curve, AUROC, FPR at 95% TPR, accuracy, TPR/FPR, and the
+threshold of the best balanced accuracy.
 
 Conventions: ``is_abnormal`` is 1 for adversarial/OOD inputs; scores are HIGHER = MORE
 ABNORMAL; an input is flagged when score > threshold. The ROC curve follows scikit-learn's
@@ -66,6 +67,29 @@ def fpr_at_tpr(is_abnormal: np.ndarray, scores: np.ndarray, tpr_level: float = 0
     """The lowest FPR among ROC points (thresholds at observed scores) whose TPR >= ``tpr_level``."""
     fpr, tpr, _ = roc_curve(is_abnormal, scores, drop_intermediate=False)
     return float(fpr[np.searchsorted(tpr, tpr_level, side="left")])
+
+
+def balanced_threshold(
+    is_abnormal: np.ndarray, scores: np.ndarray, *, prefer: float = 0.5
+) -> float:
+    """The threshold t (flag = score > t) of the highest balanced accuracy (TPR + TNR) / 2 on
+    these scores; among equally good flag sets, the one whose range of thresholds holds or lies
+    nearest ``prefer``, at ``prefer`` when its range holds it, else midway between the two
+    scores that bound it. ``prefer`` when no threshold beats flagging everything or nothing."""
+    y, s = _check(is_abnormal, scores)
+    if y.all() or not y.any():
+        raise InputError("a balanced threshold needs both clean and abnormal samples")
+    fps, tps, values = _binary_curve(y, s)  # flag score >= values[i], values descending
+    gain = tps[:-1] / y.sum() - fps[:-1] / (~y).sum()  # flagging all (the last point) gains 0
+    if gain.size == 0 or gain.max() <= 0:
+        return float(prefer)
+    best = np.flatnonzero(gain >= gain.max() - 1e-12)
+    low, high = values[best + 1], values[best]  # score > t for t in [low, high) flags the same
+    distance = np.maximum(low - prefer, 0) + np.maximum(prefer - high, 0)
+    i = int(np.argmin(distance))
+    if low[i] <= prefer < high[i]:
+        return float(prefer)
+    return float((low[i] + high[i]) / 2)
 
 
 def detection_metrics(

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from detector.errors import InputError, NotFittedError
+from detector.base import oob_vote_fraction
+from detector.errors import ArtefactError, InputError, NotFittedError
 from detector.features import extract_features
 from detector.forest import TensorForest, TransportDetector, forest_arrays
 from detector.mahalanobis import MahalanobisDetector, mahalanobis_features
-from detector.metrics import auroc
+from detector.metrics import auroc, balanced_threshold
 from detector.networks import get_model
 from detector.nss import NSSDetector, nss_features
 from detector.quantile import QuantileDetector
@@ -37,7 +38,7 @@ def test_transport_detector_scores_abnormal_higher() -> None:
     assert scores.min() >= 0 and scores.max() <= 1
     assert scores[yt == 1].mean() > scores[yt == 0].mean() + 0.5
     assert auroc(yt, scores) > 0.95
-    np.testing.assert_array_equal(detector.predict(xt, pt), scores > 0.5)
+    np.testing.assert_array_equal(detector.predict(xt, pt), scores > detector.decision_threshold())
 
 
 def test_votes_are_the_general_and_own_class_forests_and_score_is_their_max() -> None:
@@ -56,6 +57,48 @@ def test_votes_are_the_general_and_own_class_forests_and_score_is_their_max() ->
     arrays, params = detector.to_arrays()
     with pytest.raises(InputError, match="loaded from arrays"):
         TransportDetector.from_arrays(arrays, params).votes(xt, pt)
+
+
+def test_oob_votes_equal_sklearns_out_of_bag_estimate() -> None:
+    from sklearn.ensemble import RandomForestClassifier
+
+    x, y, _ = _separated(150, 4, shift=0.7)
+    forest = RandomForestClassifier(n_estimators=40, oob_score=True, random_state=1).fit(x, y)
+    # Fully grown trees have pure leaves: sklearn's mean out-of-bag probability is the vote share.
+    np.testing.assert_allclose(oob_vote_fraction(forest, x), forest.oob_decision_function_[:, 1])
+    no_bag = RandomForestClassifier(n_estimators=3, bootstrap=False).fit(x, y)
+    assert np.isnan(oob_vote_fraction(no_bag, x)).all()
+
+
+def test_transport_decision_is_the_out_of_bag_balanced_point() -> None:
+    x, y, predicted = _separated(300, 5, shift=0.9)  # overlapping: the point is not trivial
+    oob = TransportDetector(n_estimators=40, min_class_samples=20).fit(x, y, predicted)
+    general = oob_vote_fraction(oob.forest_, x)
+    own = general.copy()
+    for label, forest in oob.class_forests_.items():
+        own[predicted == label] = oob_vote_fraction(forest, x[predicted == label])
+    expected = balanced_threshold(y, np.fmax(general, own))
+    assert oob.decision_threshold() == expected != 0.5
+    majority = TransportDetector(n_estimators=40, min_class_samples=20, decision="majority")
+    majority.fit(x, y, predicted)
+    assert majority.decision_threshold() == 0.5
+    np.testing.assert_array_equal(majority.score(x, predicted), oob.score(x, predicted))
+    np.testing.assert_array_equal(oob.predict(x, predicted), oob.score(x, predicted) > expected)
+    with pytest.raises(InputError, match="decision must be one of"):
+        TransportDetector(decision="mean").fit(x, y, predicted)
+
+
+def test_transport_decision_travels_with_its_arrays(tmp_path: Path) -> None:
+    x, y, predicted = _separated(150, 6, shift=0.9)
+    detector = TransportDetector(n_estimators=10, min_class_samples=10).fit(x, y, predicted)
+    arrays, params = detector.to_arrays()
+    loaded = TransportDetector.from_arrays(arrays, params)
+    assert loaded.decision_threshold() == detector.decision_threshold()
+    np.testing.assert_array_equal(loaded.predict(x, predicted), detector.predict(x, predicted))
+    legacy = {k: v for k, v in params.items() if k not in ("threshold", "decision")}
+    assert TransportDetector.from_arrays(arrays, legacy).decision_threshold() == 0.5
+    with pytest.raises(ArtefactError, match="threshold must be in"):
+        TransportDetector.from_arrays(arrays, {**params, "threshold": float("nan")})
 
 
 def test_class_forests_only_where_both_labels_are_common_enough() -> None:

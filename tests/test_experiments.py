@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from detector.forest import TransportDetector
-from training.experiments import Samples, Split, run_protocols
+from detector.metrics import detection_metrics
+from training.experiments import Samples, Split, evaluate_fitted, run_protocols
 
 
 def _samples(
@@ -165,3 +166,17 @@ def test_the_ood_protocol_fits_on_clean_images_from_the_whole_training_side(worl
     assert len(first) == n_abnormal == train_side[:120].sum()
     assert (first >= 120).any() and train_side[first].all()
     np.testing.assert_array_equal(first, second)
+
+
+def test_a_protocol_decides_at_the_fitted_detectors_own_threshold() -> None:
+    rng = np.random.default_rng(3)
+    clean, abnormal = (_samples(k, np.arange(300), m, rng) for k, m in (("clean", 0), ("fgm", 0.8)))
+    detector = TransportDetector(n_estimators=30).fit_samples(clean, abnormal)
+    assert detector.decision_threshold() != 0.5  # learnt on the overlapping rows' out-of-bag votes
+    test_clean, test_abnormal = (
+        _samples(k, np.arange(300, 500), m, rng) for k, m in (("clean", 0), ("fgm", 0.8))
+    )
+    outcome = evaluate_fitted(detector, clean, test_clean, test_abnormal, target_fpr=0.05)
+    expected = detection_metrics(outcome.is_abnormal, outcome.scores, detector.decision_threshold())
+    assert outcome.metrics["accuracy"] == pytest.approx(expected["accuracy"])
+    assert outcome.metrics["fpr"] == pytest.approx(expected["fpr"])

@@ -17,7 +17,13 @@ from detector.calibration import (
     fpr_upper_bound,
 )
 from detector.errors import ArtefactError, ConfigError, InputError
-from detector.metrics import auroc, detection_metrics, fpr_at_tpr, roc_curve
+from detector.metrics import (
+    auroc,
+    balanced_threshold,
+    detection_metrics,
+    fpr_at_tpr,
+    roc_curve,
+)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -185,3 +191,37 @@ def test_too_few_images_for_the_confidence_give_the_highest_score() -> None:
     scores = np.random.default_rng(3).random(40)
     assert calibrate_threshold(scores, 0.05, confidence=0.95) == scores.max()
     assert calibrate_threshold(scores, 0.05) < scores.max()  # the point estimate flags 2 of 40
+
+
+def test_balanced_threshold_is_the_best_balanced_accuracy_of_every_threshold() -> None:
+    rng = np.random.default_rng(5)
+    y = np.r_[np.zeros(300), np.ones(200)].astype(bool)
+    scores = np.round(np.r_[rng.beta(2, 5, 300), rng.beta(5, 2, 200)], 2)  # many ties
+    t = balanced_threshold(y, scores)
+    grid = np.r_[np.unique(scores), np.unique(scores) - 1e-9]
+    best = max(detection_metrics(y, scores, g)["accuracy"] for g in grid)
+    assert detection_metrics(y, scores, t)["accuracy"] == pytest.approx(best)
+    assert t not in np.unique(scores) or t == 0.5  # between scores, robust to float error
+
+
+def test_balanced_threshold_prefers_the_given_point_among_equals() -> None:
+    y = np.array([0, 0, 0, 1, 1, 1], bool)
+    separated = np.array([0.1, 0.2, 0.3, 0.8, 0.9, 1.0])
+    assert balanced_threshold(y, separated) == 0.5  # anything in [0.3, 0.8) separates them
+    assert balanced_threshold(y, separated, prefer=0.9) == pytest.approx(0.55)  # midway
+    assert balanced_threshold(y, separated, prefer=0.0) == pytest.approx(0.55)
+    # One clean score at 0.6: flagging above it (one miss, no false positive) ties with
+    # flagging above 0.2 (one false positive, no miss): the tie whose range holds 0.5 wins.
+    overlapping = np.array([0.1, 0.2, 0.6, 0.55, 0.9, 1.0])
+    assert balanced_threshold(y, overlapping) == 0.5
+    shifted = np.array([0.1, 0.62, 0.6, 0.7, 0.9, 1.0])  # two clean above 0.5: best at (0.62, 0.7)
+    assert balanced_threshold(y, shifted) == pytest.approx(0.66)
+
+
+def test_balanced_threshold_refusals_and_no_separation() -> None:
+    with pytest.raises(InputError, match="both clean and abnormal"):
+        balanced_threshold(np.zeros(3, bool), np.array([0.1, 0.2, 0.3]))
+    with pytest.raises(InputError, match="NaN"):
+        balanced_threshold(np.array([0, 1], bool), np.array([0.1, np.nan]))
+    reversed_scores = np.array([0.9, 0.8, 0.1, 0.2])  # abnormal score lower: nothing beats chance
+    assert balanced_threshold(np.array([0, 0, 1, 1], bool), reversed_scores, prefer=0.4) == 0.4

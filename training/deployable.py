@@ -25,7 +25,7 @@ from detector.features import FeatureSpec
 from detector.forest import TransportDetector
 from detector.guard import Guard
 from detector.novelty import EnsembleDetector
-from detector.registry import detector_info, get_detector, list_detectors, load_detector
+from detector.registry import get_detector, list_detectors, load_detector
 from training.experiments import Samples, Split, concat
 from training.pipeline import PipelineRun, add_precomputed, on_all_cores, read_pipeline_config
 from training.presets.pipelines import PipelineConfig
@@ -136,7 +136,7 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
     calibration = Calibration.from_scores(
         _guard_scores(guard, split.calibration(data.clean)).astype(np.float64),
         config.target_fpr,
-        default_vote_threshold=detector_info(detector).default_threshold or 0.5,
+        default_vote_threshold=fitted.decision_threshold() or 0.5,
         confidence=config.calibration_confidence,
     )
     held_out_clean = split.test(data.clean)

@@ -418,7 +418,7 @@ def evaluate_fitted(
         success = np.concatenate(
             [np.zeros(len(test_clean), bool), test_abnormal.success.astype(bool)]
         )
-    own = detector.info.default_threshold
+    own = detector.decision_threshold()
     threshold = own if own is not None else calibrated
     metrics = {
         k: float(v)

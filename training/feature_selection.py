@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from detector import artefacts
+from detector.base import DEFAULT_VOTE_THRESHOLD
 from detector.errors import ConfigError
 from detector.features import FeatureSpec
 from detector.registry import get_detector
@@ -130,13 +131,15 @@ def _candidate_scores(
     abnormal = concat(fit_parts, "abnormal")
     fitted = on_all_cores(get_detector(detector)).fit_samples(fit_clean, abnormal)
     val_clean = restrict(clean.take(is_validation[clean.indices]), columns, names)
-    clean_flags = fitted.score_samples(val_clean) > 0.5
+    own = fitted.decision_threshold()
+    threshold = DEFAULT_VOTE_THRESHOLD if own is None else own
+    clean_flags = fitted.score_samples(val_clean) > threshold
     scores: dict[str, float] = {}
     for key, samples in attacks.items():
         part = restrict(samples.take(is_validation[samples.indices]), columns, names)
         paired = np.isin(val_clean.indices, part.indices)
         tnr = 1.0 - float(np.mean(clean_flags[paired])) if paired.any() else 1.0
-        tpr = float(np.mean(fitted.score_samples(part) > 0.5)) if len(part) else 0.0
+        tpr = float(np.mean(fitted.score_samples(part) > threshold)) if len(part) else 0.0
         scores[key] = (tpr + tnr) / 2
     scores["mean"] = float(np.mean([scores[k] for k in attacks]))
     return scores

@@ -15,8 +15,8 @@ from training.rundir import RunDir
 NOTE = (
     "Each candidate is scored on the seed-0 split's training side only: its source images are cut "
     "into a fit part and a validation quarter, one {detector} detector is fitted on the fit part's "
-    "clean images against every seen attack, and the cell is its balanced accuracy (%) at the "
-    "decision 0.5 on the validation quarter. The best mean wins (ties: the earlier, smaller set); "
+    "clean images against every seen attack, and the cell is its balanced accuracy (%) at its "
+    "own decision on the validation quarter. The best mean wins (ties: the earlier, smaller set); "
     "the protocols, the deployed detector and the bundle use it. The test side plays no part."
 )
 GROUPS = (
