@@ -45,7 +45,8 @@ def fitted(clean: Any, abnormal: Any, timings: list[tuple[float, float]]) -> Tra
     x = np.concatenate([clean.features, abnormal.features])
     y = np.r_[np.zeros(len(clean)), np.ones(len(abnormal))].astype(np.int64)
     start = time.perf_counter()
-    detector._oob_threshold(x, y, np.concatenate([clean.predicted, abnormal.predicted]))
+    predicted = np.concatenate([clean.predicted, abnormal.predicted])
+    detector._learn_decision(lambda: detector._oob_scores(x, predicted), y)
     oob = time.perf_counter() - start
     timings.append((total - oob, oob))
     return detector

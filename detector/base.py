@@ -17,6 +17,7 @@ training images (``prepare``) and read per-image-set arrays that ``precompute`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
@@ -31,6 +32,7 @@ from torch import nn
 
 from detector.artefacts import save_arrays, write_json
 from detector.errors import ConfigError, InputError, NotFittedError
+from detector.metrics import balanced_threshold
 
 if TYPE_CHECKING:
     from detector.features import FeatureSpec
@@ -126,6 +128,45 @@ def oob_vote_fraction(forest: RandomForestClassifier, features: np.ndarray) -> n
     fraction = np.full(len(x), np.nan)
     np.divide(votes, counts, out=fraction, where=counts > 0)
     return fraction
+
+
+DECISIONS = ("majority", "oob")  # a forest detector's own decision: see ForestDecision
+
+
+class ForestDecision:
+    """The own decision of a detector that scores by forest votes (``decision`` parameter):
+    ``"majority"`` flags a score > 0.5, the forests' majority vote (seed 003's); ``"oob"``
+    flags a score above ``threshold_``, the threshold of the best balanced accuracy of the same
+    score on the fitting rows' out-of-bag votes (each row voted on only by the trees that did not
+    draw it: learnt on the training side, without a held-out cut), the one nearest 0.5 among
+    equals; 0.5 when no row has out-of-bag votes of both labels."""
+
+    decision: str
+
+    def _check_decision(self) -> None:
+        if self.decision not in DECISIONS:
+            raise InputError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
+
+    def _learn_decision(
+        self, oob_scores: Callable[[], np.ndarray], is_abnormal: np.ndarray
+    ) -> None:
+        """Set ``threshold_`` from the fitting rows' out-of-bag scores (NaN: no such vote),
+        computed only for the ``"oob"`` decision."""
+        self._check_decision()
+        self.threshold_ = DEFAULT_VOTE_THRESHOLD
+        if self.decision == "majority":
+            return
+        scores = oob_scores()
+        voted = ~np.isnan(scores)
+        labels = np.asarray(is_abnormal)[voted]
+        if labels.min(initial=1) != labels.max(initial=0):
+            self.threshold_ = balanced_threshold(labels, scores[voted], prefer=self.threshold_)
+
+    def decision_threshold(self) -> float:
+        """Its own decision: flag a score > this (see :class:`ForestDecision`)."""
+        if not hasattr(self, "threshold_"):
+            raise NotFittedError(f"this {type(self).__name__} is not fitted yet: call fit first")
+        return float(self.threshold_)
 
 
 def vote_fraction(forest: RandomForestClassifier, features: np.ndarray) -> np.ndarray:

@@ -88,8 +88,8 @@ class Calibration:
     ``achieved_fpr`` is the FPR on the ``n`` clean validation scores it was chosen on;
     ``confidence``, when set, the probability with which the threshold's FPR is <= target_fpr
     (see :func:`calibrate_threshold`); ``default_vote_threshold`` is the detector's own
-    decision (``Detector.decision_threshold``: 0.5 for the ensemble, the out-of-bag point for the
-    transport detector), kept beside it. ``saturated``: the target FPR is above 0 but the
+    decision (``Detector.decision_threshold``: 0.5 for the ensemble, the out-of-bag point of the
+    forest detectors), kept beside it. ``saturated``: the target FPR is above 0 but the
     threshold is the clean scores' maximum (too many tie there, or too few images for the
     confidence), so only an input scoring above every clean image is flagged (a detector whose
     scores stop there flags nothing): :meth:`from_scores` warns with :class:`CalibrationWarning`.

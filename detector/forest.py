@@ -33,6 +33,7 @@ from detector.base import (
     DEFAULT_VOTE_THRESHOLD,
     Detector,
     DetectorInfo,
+    ForestDecision,
     SampleSet,
     abnormal_labels,
     check_binary_labels,
@@ -43,11 +44,9 @@ from detector.base import (
 )
 from detector.errors import ArtefactError, InputError
 from detector.features import check_features
-from detector.metrics import balanced_threshold
 from detector.registry import register_detector
 
 _COMPACT_EVERY = 8
-DECISIONS = ("majority", "oob")  # see TransportDetector
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,7 +228,7 @@ class TransportScorer(nn.Module):
 # The detector
 # --------------------------------------------------------------------------------------------
 @register_detector
-class TransportDetector(Detector):
+class TransportDetector(ForestDecision, Detector):
     """Random forests on transport features (seed 003 §5.3.1).
 
     ``fit(features, is_abnormal, predicted_labels)`` trains a general forest and, when
@@ -238,13 +237,11 @@ class TransportDetector(Detector):
     ``score(features, predicted_labels)`` = max over (class forest, general forest) of the
     fraction of trees voting abnormal: HIGHER = MORE ABNORMAL, in [0, 1].
 
-    ``decision``, its own decision (``predict``, :meth:`decision_threshold`): ``"majority"``
-    flags a score > 0.5, either forest's majority vote (the seed's); ``"oob"`` (default) flags a
-    score above the threshold ``threshold_`` of the best balanced accuracy of the same score on
-    the fitting rows' out-of-bag votes (each row voted on by the trees that did not draw it), the
-    one nearest 0.5 among equals. The OR of two forests adds their false positives at 0.5; the
-    out-of-bag point, learnt on the training side only, weighs them against the misses (see
-    benchmarks/RESULTS.md, "the transport detector's own decision").
+    ``decision``, its own decision (``predict``, :meth:`decision_threshold`): ``"oob"``
+    (default), the score's best balanced accuracy on the out-of-bag votes, or ``"majority"``,
+    0.5 (see :class:`~detector.base.ForestDecision`). The OR of two forests adds their false
+    positives at 0.5; the out-of-bag point weighs them against the misses (benchmarks/RESULTS.md,
+    "the forests' own decision").
     """
 
     info = DetectorInfo(
@@ -292,8 +289,7 @@ class TransportDetector(Detector):
         predicted = check_class_labels(predicted_labels, len(x))
         if self.n_estimators < 1:
             raise InputError(f"n_estimators must be >= 1, got {self.n_estimators}")
-        if self.decision not in DECISIONS:
-            raise InputError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
+        self._check_decision()
         general = self._forest(0).fit(x, y)
         class_forests: dict[int, RandomForestClassifier] = {}
         if self.class_conditional:
@@ -307,29 +303,19 @@ class TransportDetector(Detector):
         self.class_forests_ = class_forests
         self.class_ids_ = np.asarray(sorted(class_forests), dtype=np.int64)
         self.arrays_ = forest_arrays([general] + [class_forests[int(c)] for c in self.class_ids_])
-        self.threshold_ = self._oob_threshold(x, y, predicted)
+        self._learn_decision(lambda: self._oob_scores(x, predicted), y)
         return self
 
-    def _oob_threshold(self, x: np.ndarray, y: np.ndarray, predicted: np.ndarray) -> float:
-        """The ``"oob"`` decision's threshold on the fitting rows (0.5 for ``"majority"``, or
-        when no row has out-of-bag votes of both labels)."""
-        if self.decision == "majority" or self.forest_ is None:
-            return DEFAULT_VOTE_THRESHOLD
+    def _oob_scores(self, x: np.ndarray, predicted: np.ndarray) -> np.ndarray:
+        """The score (the OR) of the fitting rows from out-of-bag votes; NaN only where both
+        forests' trees all drew a row."""
+        assert self.forest_ is not None
         general = oob_vote_fraction(self.forest_, x)
         own = general.copy()
         for c, forest in self.class_forests_.items():
             mask = predicted == c
             own[mask] = oob_vote_fraction(forest, x[mask])
-        score = np.fmax(general, own)  # the score's OR; NaN only where both forests drew a row
-        voted = ~np.isnan(score)
-        if len(np.unique(y[voted])) < 2:
-            return DEFAULT_VOTE_THRESHOLD
-        return balanced_threshold(y[voted], score[voted], prefer=DEFAULT_VOTE_THRESHOLD)
-
-    def decision_threshold(self) -> float:
-        """Its own decision: flag a score > this (see the class docstring)."""
-        check_fitted(self)
-        return float(self.threshold_)
+        return np.fmax(general, own)
 
     def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> TransportDetector:
         """Fit on the transport features and predicted labels of clean vs abnormal samples."""

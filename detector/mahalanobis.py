@@ -30,11 +30,13 @@ from torch import nn
 from detector.base import (
     Detector,
     DetectorInfo,
+    ForestDecision,
     SampleSet,
     abnormal_labels,
     check_binary_labels,
     check_class_labels,
     check_fitted,
+    oob_vote_fraction,
     vote_fraction,
 )
 from detector.errors import ConfigError, InputError
@@ -93,7 +95,7 @@ def gaussian_scores(h: torch.Tensor, means: torch.Tensor, precision: torch.Tenso
 
 
 @register_detector
-class MahalanobisDetector(Detector):
+class MahalanobisDetector(ForestDecision, Detector):
     """Lee et al. (2018) with a random forest on per-layer scores (see the module docstring).
 
     ``fit_clean(model, x, y)`` then ``fit(model, x, is_abnormal)``; ``score(model, x)`` ->
@@ -120,6 +122,7 @@ class MahalanobisDetector(Detector):
         validation_fraction: float = 0.2,
         selection_samples: int | None = 2000,
         batch_size: int = 128,
+        decision: str = "oob",
         n_jobs: int | None = None,
     ) -> None:
         self.magnitudes = magnitudes
@@ -130,6 +133,7 @@ class MahalanobisDetector(Detector):
         self.validation_fraction = validation_fraction
         self.selection_samples = selection_samples
         self.batch_size = batch_size
+        self.decision = decision
         self.n_jobs = n_jobs
 
     # ---------------------------------------------------------------------------------------
@@ -308,6 +312,7 @@ class MahalanobisDetector(Detector):
         validation AUROC (on at most ``selection_samples`` rows of this training data), then the
         forest on every row at that magnitude."""
         check_fitted(self)
+        self._check_decision()
         magnitudes = self._magnitudes()
         missing = [m for m in magnitudes if m not in features]
         if missing:
@@ -344,6 +349,7 @@ class MahalanobisDetector(Detector):
         chosen = check_features(features[self.magnitude_])
         self.forest_ = self._forest().fit(chosen, y)
         self.n_features_in_ = chosen.shape[1]
+        self._learn_decision(lambda: oob_vote_fraction(self.forest_, chosen), y)
         return self
 
     # ---------------------------------------------------------------------------------------

@@ -20,10 +20,12 @@ from torch import nn
 from detector.base import (
     Detector,
     DetectorInfo,
+    ForestDecision,
     SampleSet,
     abnormal_labels,
     check_binary_labels,
     check_fitted,
+    oob_vote_fraction,
     vote_fraction,
 )
 from detector.features import check_features, check_images
@@ -117,7 +119,7 @@ def nss_features(
 
 
 @register_detector
-class NSSDetector(Detector):
+class NSSDetector(ForestDecision, Detector):
     """Random forest on BRISQUE/MSCN statistics of the images themselves.
 
     ``fit(x_images, is_abnormal)``; ``score(x_images)`` -> float64 [N] in [0, 1], the fraction of
@@ -137,11 +139,13 @@ class NSSDetector(Detector):
         n_estimators: int = 100,
         random_state: int | None = 0,
         value_range: tuple[float, float] = (0.0, 1.0),
+        decision: str = "oob",
         n_jobs: int | None = None,
     ) -> None:
         self.n_estimators = n_estimators
         self.random_state = random_state
         self.value_range = value_range
+        self.decision = decision
         self.n_jobs = n_jobs
 
     def fit(self, x_images: np.ndarray, is_abnormal: np.ndarray) -> NSSDetector:
@@ -152,10 +156,12 @@ class NSSDetector(Detector):
         """Fit the forest on precomputed :func:`nss_features` of clean (0) vs abnormal (1) images."""
         features = check_features(features)
         y = check_binary_labels(is_abnormal, len(features))
+        self._check_decision()
         self.forest_ = RandomForestClassifier(
             n_estimators=self.n_estimators, random_state=self.random_state, n_jobs=self.n_jobs
         ).fit(features, y)
         self.n_features_in_ = features.shape[1]
+        self._learn_decision(lambda: oob_vote_fraction(self.forest_, features), y)
         return self
 
     def precompute(self, model: nn.Module, images: np.ndarray) -> dict[str, np.ndarray]:

@@ -98,6 +98,14 @@ def test_every_detector_fits_and_scores_through_the_contract(
     assert scores_clean.dtype == np.float64 and scores_clean.shape == (120,)
     assert scores_noise.mean() > scores_clean.mean()  # HIGHER = MORE ABNORMAL
     np.testing.assert_array_equal(again.score_samples(test_noise), scores_noise)
+    own = detector.decision_threshold()
+    assert own == again.decision_threshold()
+    if "decision" in detector.get_params():  # the forest detectors learn their own decision
+        assert own is not None and 0 <= own <= 1
+        majority = prototype.with_seed(3).set_params(decision="majority")
+        assert majority.fit_samples(clean, train_noise).decision_threshold() == 0.5
+    else:
+        assert own == detector.info.default_threshold
 
     if not detector.info.servable:
         with pytest.raises(ConfigError, match="no torch form"):
@@ -113,6 +121,7 @@ def test_every_detector_fits_and_scores_through_the_contract(
     assert np.array_equal(torch_scores, numpy_scores.astype(np.float32))
     restored = load_detector(detector.save(tmp_path / name))
     assert type(restored) is type(detector)
+    assert restored.decision_threshold() == own
     assert np.array_equal(
         np.concatenate([restored.score_samples(s) for s in both]).astype(np.float32),
         torch_scores,

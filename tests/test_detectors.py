@@ -88,6 +88,17 @@ def test_transport_decision_is_the_out_of_bag_balanced_point() -> None:
         TransportDetector(decision="mean").fit(x, y, predicted)
 
 
+def test_nss_decision_is_its_forests_out_of_bag_balanced_point() -> None:
+    x, y, _ = _separated(300, 7, shift=0.9)
+    detector = NSSDetector(n_estimators=40).fit_features(x, y)
+    expected = balanced_threshold(y, oob_vote_fraction(detector.forest_, x))
+    assert detector.decision_threshold() == expected
+    with pytest.raises(InputError, match="decision must be one of"):
+        NSSDetector(decision="vote").fit_features(x, y)
+    with pytest.raises(NotFittedError):
+        NSSDetector().decision_threshold()
+
+
 def test_transport_decision_travels_with_its_arrays(tmp_path: Path) -> None:
     x, y, predicted = _separated(150, 6, shift=0.9)
     detector = TransportDetector(n_estimators=10, min_class_samples=10).fit(x, y, predicted)

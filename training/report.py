@@ -508,7 +508,8 @@ def security_section(detection: Sequence[Record], rows: Sequence[tuple[str, str]
         "",
         "Per attack: the share of *successful* adversarial test images (those the network "
         "misclassifies) that the detector flags, the share of clean test images it flags (FPR), "
-        "both at the detector's own decision (its default threshold, else the threshold "
+        "both at the detector's own decision (TR, MH and NS: the best balanced accuracy of "
+        "their forests' out-of-bag votes on the training rows; TR+NV: 0.5; NV and QT: the threshold "
         "calibrated on held-out clean images), the AUROC over all thresholds, and the FPR at "
         f"the threshold that flags 95% of the attacked images; {_runs_note(detection)}; best "
         "per column in bold (lowest for the FPRs).",
