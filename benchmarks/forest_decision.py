@@ -2,9 +2,10 @@
 
 The seed's detector flags a score (the larger vote fraction of the predicted class's forest and
 the general forest) > 0.5. ``decision="oob"`` flags a score above the threshold of the best
-balanced accuracy of the out-of-bag votes on its own fitting rows. Per attack, on the deploy
-network's seed-0 training side cut as in ``ensemble_parts.py`` (a validation quarter held out;
-the test side is never read), one fit each: the seen analog's balanced accuracy (pairs: the
+balanced accuracy of the out-of-bag votes on its own fitting rows (an attacked image and its
+clean source out of a tree's bag together). Per attack, on the deploy network's seed-0 training
+side cut as in ``ensemble_parts.py`` (a validation quarter held out; the test side is never
+read), one fit each: the seen analog's balanced accuracy (pairs: the
 attacked images and their clean sources) at 0.5 and at the learnt threshold. Then the unseen
 analog: fitted on FGM eps=0.1 (then CW) of the fit part, the balanced accuracy of every other
 attack's validation rows against the validation clean images, at both decisions. Last, the time
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from detector.base import source_groups
 from detector.forest import TransportDetector
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,7 +48,8 @@ def fitted(clean: Any, abnormal: Any, timings: list[tuple[float, float]]) -> Tra
     y = np.r_[np.zeros(len(clean)), np.ones(len(abnormal))].astype(np.int64)
     start = time.perf_counter()
     predicted = np.concatenate([clean.predicted, abnormal.predicted])
-    detector._learn_decision(lambda: detector._oob_scores(x, predicted), y)
+    groups = source_groups(clean, abnormal)
+    detector._learn_decision(lambda: detector._oob_scores(x, predicted, groups), y)
     oob = time.perf_counter() - start
     timings.append((total - oob, oob))
     return detector

@@ -40,6 +40,7 @@ from detector.base import (
     check_class_labels,
     check_fitted,
     oob_vote_fraction,
+    source_groups,
     vote_fraction,
 )
 from detector.errors import ArtefactError, InputError
@@ -281,9 +282,14 @@ class TransportDetector(ForestDecision, Detector):
         )
 
     def fit(
-        self, features: np.ndarray, is_abnormal: np.ndarray, predicted_labels: np.ndarray
+        self,
+        features: np.ndarray,
+        is_abnormal: np.ndarray,
+        predicted_labels: np.ndarray,
+        groups: np.ndarray | None = None,
     ) -> TransportDetector:
-        """Fit on features [N, F], 0/1 abnormal labels [N] and the network's predicted classes [N]."""
+        """Fit on features [N, F], 0/1 abnormal labels [N] and the network's predicted classes
+        [N]; ``groups``: each row's source image, for the out-of-bag decision's votes."""
         x = check_features(features)
         y = check_binary_labels(is_abnormal, len(x))
         predicted = check_class_labels(predicted_labels, len(x))
@@ -303,18 +309,20 @@ class TransportDetector(ForestDecision, Detector):
         self.class_forests_ = class_forests
         self.class_ids_ = np.asarray(sorted(class_forests), dtype=np.int64)
         self.arrays_ = forest_arrays([general] + [class_forests[int(c)] for c in self.class_ids_])
-        self._learn_decision(lambda: self._oob_scores(x, predicted), y)
+        self._learn_decision(lambda: self._oob_scores(x, predicted, groups), y)
         return self
 
-    def _oob_scores(self, x: np.ndarray, predicted: np.ndarray) -> np.ndarray:
-        """The score (the OR) of the fitting rows from out-of-bag votes; NaN only where both
-        forests' trees all drew a row."""
+    def _oob_scores(
+        self, x: np.ndarray, predicted: np.ndarray, groups: np.ndarray | None
+    ) -> np.ndarray:
+        """The score (the OR) of the fitting rows from (grouped) out-of-bag votes; NaN only
+        where both forests' trees all drew a row or its group."""
         assert self.forest_ is not None
-        general = oob_vote_fraction(self.forest_, x)
+        general = oob_vote_fraction(self.forest_, x, groups)
         own = general.copy()
         for c, forest in self.class_forests_.items():
             mask = predicted == c
-            own[mask] = oob_vote_fraction(forest, x[mask])
+            own[mask] = oob_vote_fraction(forest, x[mask], None if groups is None else groups[mask])
         return np.fmax(general, own)
 
     def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> TransportDetector:
@@ -323,6 +331,7 @@ class TransportDetector(ForestDecision, Detector):
             np.concatenate([clean.features, abnormal.features]),
             abnormal_labels(clean, abnormal),
             np.concatenate([clean.predicted, abnormal.predicted]),
+            source_groups(clean, abnormal),
         )
 
     def score_samples(self, samples: SampleSet) -> np.ndarray:

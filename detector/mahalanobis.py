@@ -37,6 +37,7 @@ from detector.base import (
     check_class_labels,
     check_fitted,
     oob_vote_fraction,
+    source_groups,
     vote_fraction,
 )
 from detector.errors import ConfigError, InputError
@@ -306,11 +307,15 @@ class MahalanobisDetector(ForestDecision, Detector):
         return self.fit_features(self.features_by_magnitude(model, x), is_abnormal)
 
     def fit_features(
-        self, features: dict[float, np.ndarray], is_abnormal: np.ndarray
+        self,
+        features: dict[float, np.ndarray],
+        is_abnormal: np.ndarray,
+        groups: np.ndarray | None = None,
     ) -> MahalanobisDetector:
         """:meth:`fit` from precomputed :meth:`features_by_magnitude`: the magnitude with the best
         validation AUROC (on at most ``selection_samples`` rows of this training data), then the
-        forest on every row at that magnitude."""
+        forest on every row at that magnitude; ``groups``: each row's source image, for the
+        out-of-bag decision's votes."""
         check_fitted(self)
         self._check_decision()
         magnitudes = self._magnitudes()
@@ -349,7 +354,7 @@ class MahalanobisDetector(ForestDecision, Detector):
         chosen = check_features(features[self.magnitude_])
         self.forest_ = self._forest().fit(chosen, y)
         self.n_features_in_ = chosen.shape[1]
-        self._learn_decision(lambda: oob_vote_fraction(self.forest_, chosen), y)
+        self._learn_decision(lambda: oob_vote_fraction(self.forest_, chosen, groups), y)
         return self
 
     # ---------------------------------------------------------------------------------------
@@ -392,7 +397,9 @@ class MahalanobisDetector(ForestDecision, Detector):
             float(m): np.concatenate([self._extra(clean, m), self._extra(abnormal, m)])
             for m in self.magnitudes
         }
-        return self.fit_features(features, abnormal_labels(clean, abnormal))
+        return self.fit_features(
+            features, abnormal_labels(clean, abnormal), source_groups(clean, abnormal)
+        )
 
     def score_samples(self, samples: SampleSet) -> np.ndarray:
         """Forest score of the precomputed features at ``magnitude_``: HIGHER = MORE ABNORMAL."""

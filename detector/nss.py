@@ -26,6 +26,7 @@ from detector.base import (
     check_binary_labels,
     check_fitted,
     oob_vote_fraction,
+    source_groups,
     vote_fraction,
 )
 from detector.features import check_features, check_images
@@ -152,8 +153,11 @@ class NSSDetector(ForestDecision, Detector):
         """Fit the forest on clean (0) vs abnormal (1) images [N, C, H, W]."""
         return self.fit_features(nss_features(x_images, value_range=self.value_range), is_abnormal)
 
-    def fit_features(self, features: np.ndarray, is_abnormal: np.ndarray) -> NSSDetector:
-        """Fit the forest on precomputed :func:`nss_features` of clean (0) vs abnormal (1) images."""
+    def fit_features(
+        self, features: np.ndarray, is_abnormal: np.ndarray, groups: np.ndarray | None = None
+    ) -> NSSDetector:
+        """Fit the forest on precomputed :func:`nss_features` of clean (0) vs abnormal (1)
+        images; ``groups``: each row's source image, for the out-of-bag decision's votes."""
         features = check_features(features)
         y = check_binary_labels(is_abnormal, len(features))
         self._check_decision()
@@ -161,7 +165,7 @@ class NSSDetector(ForestDecision, Detector):
             n_estimators=self.n_estimators, random_state=self.random_state, n_jobs=self.n_jobs
         ).fit(features, y)
         self.n_features_in_ = features.shape[1]
-        self._learn_decision(lambda: oob_vote_fraction(self.forest_, features), y)
+        self._learn_decision(lambda: oob_vote_fraction(self.forest_, features, groups), y)
         return self
 
     def precompute(self, model: nn.Module, images: np.ndarray) -> dict[str, np.ndarray]:
@@ -182,6 +186,7 @@ class NSSDetector(ForestDecision, Detector):
         return self.fit_features(
             np.concatenate([self._features(clean), self._features(abnormal)]),
             abnormal_labels(clean, abnormal),
+            source_groups(clean, abnormal),
         )
 
     def score_samples(self, samples: SampleSet) -> np.ndarray:

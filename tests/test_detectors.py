@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from detector.base import oob_vote_fraction
+from detector.base import oob_vote_fraction, source_groups
 from detector.errors import ArtefactError, InputError, NotFittedError
 from detector.features import extract_features
 from detector.forest import TensorForest, TransportDetector, forest_arrays
@@ -68,6 +68,48 @@ def test_oob_votes_equal_sklearns_out_of_bag_estimate() -> None:
     np.testing.assert_allclose(oob_vote_fraction(forest, x), forest.oob_decision_function_[:, 1])
     no_bag = RandomForestClassifier(n_estimators=3, bootstrap=False).fit(x, y)
     assert np.isnan(oob_vote_fraction(no_bag, x)).all()
+
+
+def test_grouped_oob_votes_leave_a_rows_twin_out_of_the_bag_too() -> None:
+    from sklearn.ensemble import RandomForestClassifier
+
+    rng = np.random.default_rng(8)
+    source = rng.normal(size=(300, 4)).astype(np.float32)
+    attacked = source + np.float32(0.3) * (rng.random((300, 4)) > 0.5)  # near twins, weak signal
+    x, y = np.concatenate([source, attacked]), np.r_[np.zeros(300), np.ones(300)].astype(int)
+    groups = np.r_[np.arange(300), np.arange(300)]
+    forest = RandomForestClassifier(n_estimators=60, random_state=0).fit(x, y)
+    plain, grouped = oob_vote_fraction(forest, x), oob_vote_fraction(forest, x, groups)
+    # A tree that drew a row's twin votes that row the twin's label: plain votes understate it.
+    assert auroc(y, plain) < 0.5 < auroc(y[~np.isnan(grouped)], grouped[~np.isnan(grouped)])
+    assert np.isnan(grouped).mean() < 0.01  # ~13% of 60 trees miss both twins
+    assert np.isnan(oob_vote_fraction(forest, x, np.zeros(600))).all()  # one group: every bag
+    with pytest.raises(InputError, match="groups must have shape"):
+        oob_vote_fraction(forest, x, groups[:10])
+
+
+def test_fit_samples_groups_each_attacked_image_with_its_source() -> None:
+    from types import SimpleNamespace
+
+    from training.experiments import Samples
+
+    x, y, predicted = _separated(150, 9, shift=0.9)
+    source = np.r_[np.arange(150), np.arange(150)]  # row i and row 150 + i: one source image
+
+    def rows(part: np.ndarray) -> Samples:
+        images = np.zeros((len(part), 1, 2, 2), np.float32)
+        return Samples("set", images, x[part], predicted[part], source[part])
+
+    clean, abnormal = rows(np.arange(150)), rows(np.arange(150, 300))
+    np.testing.assert_array_equal(source_groups(clean, abnormal), source)
+    unnamed = SimpleNamespace(features=x[:150], predicted=predicted[:150], extra={})
+    assert source_groups(unnamed, abnormal) is None  # type: ignore[arg-type]
+    params = {"n_estimators": 30, "min_class_samples": 10}
+    via_samples = TransportDetector(**params).fit_samples(clean, abnormal)
+    grouped = TransportDetector(**params).fit(x, y, predicted, source)
+    ungrouped = TransportDetector(**params).fit(x, y, predicted)
+    assert via_samples.decision_threshold() == grouped.decision_threshold()
+    assert grouped.decision_threshold() != ungrouped.decision_threshold()
 
 
 def test_transport_decision_is_the_out_of_bag_balanced_point() -> None:
