@@ -471,7 +471,8 @@ def seen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> 
         return lines + [f"Seen-attack protocol: {NOT_RUN}.", ""]
     lines += [
         f"{ACCURACY.title}: train and test on the same attack; {_runs_note(records)}; best per "
-        "column in bold. The other metrics are in the security view below.",
+        "column in bold; each detector at its own decision. The other metrics, and which "
+        "decision each detector takes, are in the security view below.",
         "",
     ]
     return lines + _attack_table(records, rows, ACCURACY, mean=False)
@@ -483,7 +484,8 @@ def unseen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -
         return lines + [f"Unseen-attack protocol: {NOT_RUN}.", ""]
     lines += [
         f"{ACCURACY.title}: train on one attack, test on the others; {_runs_note(records)}; "
-        "the last column averages over the test attacks (k/n when some are missing).",
+        "each detector at its own decision (a forest's is learnt on the attack it was trained "
+        "on); the last column averages over the test attacks (k/n when some are missing).",
         "",
     ]
     for train, subset in _by_train_attack(records):
