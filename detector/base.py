@@ -107,6 +107,20 @@ def check_class_labels(labels: np.ndarray, n: int, name: str = "predicted_labels
     return array.astype(np.int64)
 
 
+def _trees_input(forest: RandomForestClassifier, features: np.ndarray) -> np.ndarray:
+    """The rows as the trees' contiguous float32, checked once for every tree."""
+    x = np.ascontiguousarray(check_array(features), dtype=np.float32)
+    if x.shape[1] != forest.n_features_in_:  # apply(check_input=False) would not check
+        raise InputError(f"the forest takes {forest.n_features_in_} features, got {x.shape[1]}")
+    return x
+
+
+def _tree_votes(tree: Any, x: np.ndarray) -> np.ndarray:
+    """One tree's hard vote per row of :func:`_trees_input` rows: its leaf's class index."""
+    leaf_class = tree.tree_.value[:, 0, :].argmax(axis=1)
+    return leaf_class[tree.apply(x, check_input=False)]
+
+
 def oob_vote_fraction(
     forest: RandomForestClassifier, features: np.ndarray, groups: np.ndarray | None = None
 ) -> np.ndarray:
@@ -119,23 +133,22 @@ def oob_vote_fraction(
     of them. An attacked image and its clean source are near twins with opposite labels: a tree
     that drew one votes the other's label wrong, so ungrouped votes on paired rows understate
     the forest (NSS on CW, q28's training side: AUROC 0.42 ungrouped, 0.67 grouped)."""
-    x = np.ascontiguousarray(check_array(features), dtype=np.float32)
+    x = _trees_input(forest, features)
     if not forest.bootstrap:  # every tree saw every row
         return np.full(len(x), np.nan)
     if groups is not None and np.shape(groups) != (len(x),):
         raise InputError(f"groups must have shape ({len(x)},), got {np.shape(groups)}")
     group = np.arange(len(x)) if groups is None else np.unique(groups, return_inverse=True)[1]
+    n_groups = int(group.max(initial=-1)) + 1
     votes = np.zeros(len(x), dtype=np.int64)
     counts = np.zeros(len(x), dtype=np.int64)
     for tree, drawn in zip(forest.estimators_, forest.estimators_samples_, strict=True):
-        in_bag = np.zeros(group.max(initial=-1) + 1, dtype=bool)
+        in_bag = np.zeros(n_groups, dtype=bool)
         in_bag[group[drawn]] = True
         out = ~in_bag[group]
-        if not out.any():
-            continue
-        leaf_class = tree.tree_.value[:, 0, :].argmax(axis=1)
-        votes[out] += leaf_class[tree.apply(x[out], check_input=False)]
-        counts += out
+        if out.any():
+            votes[out] += _tree_votes(tree, x[out])
+            counts += out
     fraction = np.full(len(x), np.nan)
     np.divide(votes, counts, out=fraction, where=counts > 0)
     return fraction
@@ -185,13 +198,10 @@ def vote_fraction(forest: RandomForestClassifier, features: np.ndarray) -> np.nd
     """Fraction of a fitted binary forest's trees voting class 1 (hard votes), float64 [N]: each
     tree's ``predict`` (the class index of its leaf's largest value, ties to 0), with the input
     checked and converted to the trees' float32 once rather than once per tree (3-6x faster)."""
-    x = np.ascontiguousarray(check_array(features), dtype=np.float32)
-    if x.shape[1] != forest.n_features_in_:  # apply(check_input=False) would not check
-        raise InputError(f"the forest takes {forest.n_features_in_} features, got {x.shape[1]}")
+    x = _trees_input(forest, features)
     votes = np.zeros(len(x), dtype=np.int64)
     for tree in forest.estimators_:
-        leaf_class = tree.tree_.value[:, 0, :].argmax(axis=1)
-        votes += leaf_class[tree.apply(x, check_input=False)]
+        votes += _tree_votes(tree, x)
     return votes / len(forest.estimators_)
 
 

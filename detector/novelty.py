@@ -568,7 +568,9 @@ class EnsembleDetector(Detector):
             drawn = rng.choice(clean_rows, n_clean, replace=False)
             both = np.concatenate([np.sort(drawn), rows])
             seed = None if self.random_state is None else self.random_state + 100 * (i + 1)
-            part = TransportDetector(**{**self.forest_params(), "random_state": seed})
+            # the ensemble reads a family's votes, never its own decision: none to learn
+            params = {**self.forest_params(), "random_state": seed, "decision": "majority"}
+            part = TransportDetector(**params)
             fitted.append(part.fit(x[both], ~clean[both], predicted[both]))
         return names, fitted
 
