@@ -133,10 +133,11 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
         device=run.device,
         second=run.second_model(name, spec),
     )
+    own = fitted.decision_threshold()  # None: it decides at the calibrated threshold
     calibration = Calibration.from_scores(
         _guard_scores(guard, split.calibration(data.clean)).astype(np.float64),
         config.target_fpr,
-        default_vote_threshold=fitted.decision_threshold() or 0.5,
+        default_vote_threshold=0.5 if own is None else own,
         confidence=config.calibration_confidence,
     )
     held_out_clean = split.test(data.clean)
@@ -153,7 +154,7 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
         0 if synthetic is None else len(synthetic),
         scores,
         {k: np.asarray(v.success, bool) for k, v in held_out.items()},
-        _misclassified(run, name, held_out_clean),
+        misclassified(run, name, held_out_clean),
     )
 
 
@@ -265,7 +266,7 @@ def _heldout_rates(
     }
 
 
-def _misclassified(run: PipelineRun, name: str, clean: Samples) -> np.ndarray:
+def misclassified(run: PipelineRun, name: str, clean: Samples) -> np.ndarray:
     """True where network ``name`` gets a clean sample's label wrong."""
     _, labels, indices = run.test_images(name)
     label_of = dict(zip(indices.tolist(), labels.tolist(), strict=True))
