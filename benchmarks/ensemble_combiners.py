@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from sklearn.linear_model import LogisticRegression
 
+from detector.margin import MARGIN_FEATURE
 from detector.novelty import EnsembleDetector
 from training.experiments import Samples
 from training.pipeline import add_precomputed
@@ -117,7 +118,17 @@ def combiners(names: list[str]) -> dict[str, Callable[..., Scorer]]:
         "max(pooled forests, clean-only parts)": lambda clean, attacks: (
             lambda p: p[:, [0, *clean_only]].max(1)
         ),
+        "noisy-OR of every part": lambda clean, attacks: noisy_or,
+        "sum of every part": lambda clean, attacks: lambda p: p.sum(1),
+        "max(noisy-OR of the forest parts, clean-only parts)": lambda clean, attacks: (
+            lambda p: np.maximum(noisy_or(p[:, forests]), p[:, clean_only].max(1))
+        ),
     }
+
+
+def noisy_or(parts: np.ndarray) -> np.ndarray:
+    """1 - prod(1 - part): each part's score read as independent evidence."""
+    return 1 - np.prod(1 - parts.astype(np.float64), axis=1)
 
 
 def main() -> None:
@@ -130,7 +141,9 @@ def main() -> None:
     val = masker(is_validation)
     clean, attacks = val(data.clean), {k: val(a) for k, a in data.attacks.items()}
     proxies = ood_proxies(run, name, clean)
-    detector, _ = deployed_analog(run, name, data.clean, data.attacks, penultimate_tail=0.025)
+    detector, calibrated = deployed_analog(
+        run, name, data.clean, data.attacks, penultimate_tail=0.025
+    )
     parts = {"clean": part_matrix(detector, clean)} | {
         k: part_matrix(detector, a) for k, a in attacks.items()
     }
@@ -163,6 +176,27 @@ def main() -> None:
         rows.append([label, *(f"{50 * sum(v):.2f}" for v in cells.values())])
     print(f"parts: {', '.join(names)}\n")
     print(markdown_table(["combiner", *cells], rows))
+    print(missed(names, parts["cw"][success["cw"]], calibrated, attacks["cw"], clean))
+
+
+def missed(
+    names: list[str], parts: np.ndarray, threshold: float, attacked: Samples, clean: Samples
+) -> str:
+    """What the shipped max misses of an attack's successful validation images (``parts``)
+    at the deployed analog's calibrated ``threshold``: each part's median score among them,
+    and their median logit margin beside the clean images' 5th percentile."""
+    miss = parts.max(1) <= threshold
+    column = list(attacked.feature_names or []).index(MARGIN_FEATURE)
+    margin = attacked.features[np.asarray(attacked.success, bool)][miss, column]
+    medians = ", ".join(
+        f"{n} {v:.2f}" for n, v in zip(names, np.median(parts[miss], 0), strict=True)
+    )
+    return (
+        f"\n{attacked.name}: {miss.sum()} of {len(miss)} successful images missed at the "
+        f"calibrated threshold {threshold:.3f}; their median part scores: {medians}; their "
+        f"median logit margin {np.median(margin):.3f} (clean 5th percentile "
+        f"{np.quantile(clean.features[:, column], 0.05):.3f})"
+    )
 
 
 if __name__ == "__main__":
