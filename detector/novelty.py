@@ -74,6 +74,7 @@ from detector.base import (
     abnormal_labels,
     check_class_labels,
     check_fitted,
+    source_groups,
 )
 from detector.errors import ArtefactError, InputError
 from detector.features import FeatureSpec, check_features
@@ -494,6 +495,7 @@ class EnsembleDetector(Detector):
         forests: TransportDetector | None = None,
         margin_column: int | None = None,
         penultimate_columns: int = 0,
+        groups: np.ndarray | None = None,
     ) -> EnsembleDetector:
         """Forests on every row (0 clean / 1 abnormal), one set per family of the abnormal rows
         (``families``: a name per row, read on abnormal rows only); the novelty part on the clean
@@ -503,7 +505,8 @@ class EnsembleDetector(Detector):
         ramps over its last ``margin_tail`` (none without it, or when ``margin_tail`` is 0).
         ``penultimate_columns``: how many of the last columns are the penultimate embedding
         (:mod:`detector.penultimate`), read by that part only, on the clean rows, over its last
-        ``penultimate_tail`` (0 columns or tail: no such part; the columns are then refused)."""
+        ``penultimate_tail`` (0 columns or tail: no such part; the columns are then refused).
+        ``groups``: each row's source image, for the pooled forests' out-of-bag decision."""
         if not 0 < self.tail < 1:
             raise InputError(f"tail must be in (0, 1), got {self.tail}")
         if not 0 <= self.margin_tail < 1:
@@ -526,7 +529,7 @@ class EnsembleDetector(Detector):
         if forests is not None and forests.get_params() != pooled.get_params():
             raise InputError("the forests to reuse were fitted with other parameters")
         if forests is None:
-            forests = pooled.fit(features, is_abnormal, predicted_labels)
+            forests = pooled.fit(features, is_abnormal, predicted_labels, groups)
         self.forests_ = forests
         x, predicted = np.asarray(features), np.asarray(predicted_labels)
         self.novelty_ = novelty.fit(x[clean], predicted[clean])
@@ -598,6 +601,7 @@ class EnsembleDetector(Detector):
             forests=forests,
             margin_column=margin_column,
             penultimate_columns=rows[0].shape[1] - clean.features.shape[1],
+            groups=source_groups(clean, abnormal),
         )
 
     @staticmethod

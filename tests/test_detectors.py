@@ -15,6 +15,7 @@ from detector.forest import TensorForest, TransportDetector, forest_arrays
 from detector.mahalanobis import MahalanobisDetector, mahalanobis_features
 from detector.metrics import auroc, balanced_threshold
 from detector.networks import get_model
+from detector.novelty import EnsembleDetector
 from detector.nss import NSSDetector, nss_features
 from detector.quantile import QuantileDetector
 
@@ -110,6 +111,8 @@ def test_fit_samples_groups_each_attacked_image_with_its_source() -> None:
     ungrouped = TransportDetector(**params).fit(x, y, predicted)
     assert via_samples.decision_threshold() == grouped.decision_threshold()
     assert grouped.decision_threshold() != ungrouped.decision_threshold()
+    ensemble = EnsembleDetector(**params, penultimate_tail=0).fit_samples(clean, abnormal)
+    assert ensemble.forests_.decision_threshold() == grouped.decision_threshold()
 
 
 def test_transport_decision_is_the_out_of_bag_balanced_point() -> None:
