@@ -108,14 +108,15 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def held_out_images(run: PipelineRun, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first ``n`` held-out test images (deployed split) the deploy network gets right."""
+def held_out_images(run: PipelineRun, classifier: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``n`` held-out test images (deployed split) the deploy network (``classifier``)
+    gets right."""
     name = run.config.deploy_model
     images, labels, indices = run.test_images(name)
     split = Split(SPLIT_SEED, run.config.test_fraction, int(indices.max()) + 1)
     keep = split.is_test[indices]
     images, labels = images[keep], labels[keep]
-    right = art_classifier(run.model(name), device="cpu").predict(images).argmax(1) == labels
+    right = classifier.predict(images).argmax(1) == labels
     return images[right][:n], labels[right][:n]
 
 
@@ -153,8 +154,8 @@ def main() -> None:
     run = PipelineRun.open(args.run, progress=False)
     bundle = run.dir.bundle
     manifest = read_manifest(bundle)
-    x, y = held_out_images(run, args.n)
     classifier = art_classifier(run.model(run.config.deploy_model), device="cpu")
+    x, y = held_out_images(run, classifier, args.n)
     figures = {}
     for name in args.attacks:
         figures[name] = attack(name, classifier, x, y, args.run / "attack-probe")

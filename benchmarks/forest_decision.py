@@ -93,7 +93,8 @@ def ensemble_table(run: Any, name: str, data: Any, fit: Any, val: Any, wrong: np
     """The ensemble read at 0.5, and with its forests read at their out-of-bag point; ``wrong``:
     the validation clean images the network misclassifies."""
     add_precomputed(run, name, EnsembleDetector(), [data.clean, *data.attacks.values()])
-    proxies = ood_proxies(run, name, val(data.clean))
+    held_clean = val(data.clean)
+    proxies = ood_proxies(run, name, held_clean)
     print("\nThe ensemble (TR+NV), balanced accuracy % at 0.5:\n")
     print(
         "| fitted on | forests read at | clean FPR (right / wrong) | seen | unseen mean "
@@ -103,23 +104,22 @@ def ensemble_table(run: Any, name: str, data: Any, fit: Any, val: Any, wrong: np
     for train in UNSEEN_TRAIN:
         attacked = fit(data.attacks[train])
         clean = sources(fit(data.clean), attacked)
-        prototype = EnsembleDetector(n_jobs=-1)
-        forests = TransportDetector(**prototype.forest_params()).fit_samples(clean, attacked)
-        detector = prototype.fit_samples(clean, attacked, forests=forests)
-        t = forests.decision_threshold()
-        first = part_names(detector, val(data.clean)).index("forests")
-        pairs = {k: (sources(val(data.clean), val(a)), val(a)) for k, a in data.attacks.items()}
+        detector = EnsembleDetector(n_jobs=-1).fit_samples(clean, attacked)
+        t = detector.forests_.decision_threshold()  # grouped, as the transport detector's
+        first = part_names(detector, held_clean).index("forests")
+        pairs = {k: (sources(held_clean, val(a)), val(a)) for k, a in data.attacks.items()}
         parts = {
             k: (part_matrix(detector, c), part_matrix(detector, a)) for k, (c, a) in pairs.items()
         }
-        every_clean = part_matrix(detector, val(data.clean))
+        every_clean = part_matrix(detector, held_clean)
         outside = [part_matrix(detector, p) for p in proxies.values()]
         for label, point in (("0.5 (as shipped)", 0.5), (f"their point {t:.3f}", t)):
             score = partial(read_at, forest=first, point=point)
             acc = {k: accuracy(score(c), score(a), 0.5)[0] for k, (c, a) in parts.items()}
             unseen = [v for k, v in acc.items() if k != train]
-            fpr = fpr_cells(score(every_clean) > 0.5, wrong)
-            stand_ins = [accuracy(score(every_clean), score(p), 0.5)[0] for p in outside]
+            clean_scores = score(every_clean)
+            fpr = fpr_cells(clean_scores > 0.5, wrong)
+            stand_ins = [accuracy(clean_scores, score(p), 0.5)[0] for p in outside]
             cells = [train, label, fpr, f"{acc[train]:.2f}", f"{np.mean(unseen):.2f}"]
             cells += [f"{min(unseen):.2f}", " / ".join(f"{v:.1f}" for v in stand_ins)]
             print("| " + " | ".join(cells) + " |", flush=True)
