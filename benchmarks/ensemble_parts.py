@@ -77,11 +77,14 @@ DEPLOYED = {
 PROXY_IMAGES = 1000  # validation clean images each OOD proxy is made from
 
 
-def validation_cut(run: PipelineRun, name: str) -> tuple[Split, np.ndarray, np.ndarray]:
-    """The seed-0 split, and the fit / validation masks over the test-image index space."""
+def validation_cut(
+    run: PipelineRun, name: str, split_seed: int = 0
+) -> tuple[Split, np.ndarray, np.ndarray]:
+    """The split of ``split_seed`` (the shipped detector's: 0), and the fit / validation masks
+    over the test-image index space."""
     clean = run.samples(name).clean
     universe = int(clean.indices.max()) + 1
-    split = Split(0, run.config.test_fraction, universe)
+    split = Split(split_seed, run.config.test_fraction, universe)
     training_side = np.flatnonzero(~split.is_test & ~split.is_calibration)
     order = np.random.default_rng(0).permutation(training_side)
     is_validation = np.zeros(universe, bool)
@@ -163,12 +166,18 @@ def unseen_table(run: PipelineRun, name: str, proxies: dict[str, Samples]) -> No
 
 
 def deployed_analog(
-    run: PipelineRun, name: str, clean: Samples, attacks: dict[str, Samples], **params: Any
+    run: PipelineRun,
+    name: str,
+    clean: Samples,
+    attacks: dict[str, Samples],
+    *,
+    split_seed: int = 0,
+    **params: Any,
 ) -> tuple[EnsembleDetector, float]:
-    """The deployed recipe on the fit part (every attack in equal shares, each row marked with
-    its family) and its threshold calibrated on the calibration slice (the config's FPR target
-    and confidence)."""
-    split, is_fit, _ = validation_cut(run, name)
+    """The deployed recipe on the fit part of ``split_seed``'s training side (every attack in
+    equal shares, each row marked with its family) and its threshold calibrated on the
+    calibration slice (the config's FPR target and confidence)."""
+    split, is_fit, _ = validation_cut(run, name, split_seed)
     fit = masker(is_fit)
     parts = [with_family(fit(a), attack_family(run.config, k)) for k, a in attacks.items()]
     params = {"penultimate_tail": 0.0, **params}  # the part only where a row names it
