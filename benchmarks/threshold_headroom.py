@@ -1,0 +1,69 @@
+"""Where the deployed analog's calibrated threshold lands, and what each attack would get at other
+clean FPRs: measured on the TRAINING side of a finished run (the deploy network's split, seed 0
+unless ``--split``, cut as ensemble_parts.py cuts it).
+
+The deployed analog (every attack in equal shares on the fit part, with the penultimate part)
+is calibrated on the calibration slice as the bundle is (the config's FPR target and
+confidence). Printed: the threshold and its FPR on the calibration slice and on the validation
+quarter's clean images; then, per attack, the share of its successful validation images flagged
+at the calibrated threshold and at the thresholds that flag 3, 4 and 5% of the validation clean
+images. The gap between the calibrated column and the others is what a calibration that lands
+closer to the target would buy; nothing here is a threshold to ship.
+
+    .venv/bin/python benchmarks/threshold_headroom.py runs/quick [--split 1]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from detector.novelty import EnsembleDetector
+from training.pipeline import add_precomputed
+from training.report import markdown_table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ensemble_parts import deployed_analog, masker, open_run, run_arguments, validation_cut  # noqa: E402
+
+VALIDATION_FPRS = (0.03, 0.04, 0.05)
+
+
+def main() -> None:
+    parser = run_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--split", type=int, default=0, help="the split seed (shipped: 0)")
+    args = parser.parse_args()
+    run, name = open_run(args)
+    data = run.samples(name)
+    add_precomputed(run, name, EnsembleDetector(), [data.clean, *data.attacks.values()])
+    split, _, is_validation = validation_cut(run, name, args.split)
+    val = masker(is_validation)
+    detector, calibrated = deployed_analog(
+        run, name, data.clean, data.attacks, split_seed=args.split, penultimate_tail=0.025
+    )
+    clean = detector.score_samples(val(data.clean))
+    calibration = detector.score_samples(split.calibration(data.clean))
+    print(
+        f"split {args.split}: calibrated threshold {calibrated:.3f} flags "
+        f"{100 * np.mean(calibration > calibrated):.2f}% of the {len(calibration)} calibration "
+        f"and {100 * np.mean(clean > calibrated):.2f}% of the {len(clean)} validation clean images\n"
+    )
+    thresholds = [calibrated, *(float(np.quantile(clean, 1 - f)) for f in VALIDATION_FPRS)]
+    header = ["attack", "n", f"calibrated ({calibrated:.3f})"]
+    header += [
+        f"val FPR {100 * f:.0f}% ({t:.3f})"
+        for f, t in zip(VALIDATION_FPRS, thresholds[1:], strict=True)
+    ]
+    rows = []
+    for key, attacked in data.attacks.items():
+        rows_val = val(attacked)
+        scores = detector.score_samples(rows_val)[np.asarray(rows_val.success, bool)]
+        rows.append(
+            [key, str(len(scores)), *(f"{100 * np.mean(scores > t):.1f}" for t in thresholds)]
+        )
+    print(markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()
