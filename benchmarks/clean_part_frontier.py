@@ -163,9 +163,7 @@ def mondrian(
 
 
 def main() -> None:
-    parser = run_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--split", type=int, default=0, help="the split seed (shipped: 0)")
-    args = parser.parse_args()
+    args = run_arguments(__doc__.splitlines()[0], split=True).parse_args()
     run, name = open_run(args)
     data = run.samples(name)
     add_precomputed(

@@ -254,11 +254,14 @@ def masker(mask: np.ndarray) -> Callable[[Samples], Samples]:
     return lambda samples: samples.take(mask[samples.indices])
 
 
-def run_arguments(description: str) -> argparse.ArgumentParser:
-    """The training-side benchmarks' arguments: a finished run and one of its networks."""
+def run_arguments(description: str, *, split: bool = False) -> argparse.ArgumentParser:
+    """The training-side benchmarks' arguments: a finished run and one of its networks (and,
+    with ``split``, ``--split``: the split seed whose training side is read)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("run", help="a finished pipeline run directory (its features are read)")
     parser.add_argument("--network", default=None, help="default: the config's deploy network")
+    if split:
+        parser.add_argument("--split", type=int, default=0, help="the split seed (shipped: 0)")
     return parser
 
 

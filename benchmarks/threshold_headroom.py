@@ -31,9 +31,7 @@ VALIDATION_FPRS = (0.03, 0.04, 0.05)
 
 
 def main() -> None:
-    parser = run_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--split", type=int, default=0, help="the split seed (shipped: 0)")
-    args = parser.parse_args()
+    args = run_arguments(__doc__.splitlines()[0], split=True).parse_args()
     run, name = open_run(args)
     data = run.samples(name)
     add_precomputed(run, name, EnsembleDetector(), [data.clean, *data.attacks.values()])
