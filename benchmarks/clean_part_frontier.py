@@ -20,6 +20,7 @@ at the global threshold's FPR on that class's calibration images. Cells: the sha
 attack's successful validation images flagged, and of the three training-side OOD stand-ins;
 the run's OOD sets and the outside sets (``training.outside_sets``; ``mnist`` only when ``make
 probe-data`` has unpacked it) are printed for information only: never choose on them.
+(``clean_parts_screen.py`` screens other clean-only candidates alone, outside the ensemble.)
 
     .venv/bin/python benchmarks/clean_part_frontier.py runs/quick [--split 1]
 """
