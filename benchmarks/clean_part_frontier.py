@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from detector.calibration import Calibration
+from detector.calibration import Calibration, calibrate_threshold
 from detector.errors import DataNotFoundError
 from detector.mahalanobis import MahalanobisDetector
 from detector.nearest import clean_cdf, nearest_distance
@@ -152,12 +152,11 @@ def mondrian(
     cal_predicted: np.ndarray,
     threshold: float,
 ) -> np.ndarray:
-    """Flags with one threshold per predicted class, each at the global ``threshold``'s FPR on
-    the calibration images (``cal``) of that class."""
+    """Flags with one threshold per predicted class, each calibrated (``calibrate_threshold``) at
+    the global ``threshold``'s FPR on the calibration images (``cal``) of that class."""
     target = float(np.mean(cal > threshold))
     per_class = {
-        c: np.quantile(cal[cal_predicted == c], 1 - target, method="higher")
-        for c in np.unique(cal_predicted)
+        c: calibrate_threshold(cal[cal_predicted == c], target) for c in np.unique(cal_predicted)
     }
     limits = np.array([per_class.get(c, threshold) for c in predicted])
     return scores > limits
