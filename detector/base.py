@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from detector.features import FeatureSpec
 
 DEFAULT_VOTE_THRESHOLD = 0.5  # forests flag an input when more than half of the trees vote so
+# The fewest trees whose votes make a held-out forest score (Detector.score_held_out): ten votes
+# resolve a vote fraction to 0.1, the spacing of the thresholds calibration lands on.
+MIN_HELD_OUT_TREES = 10
 ARRAYS_FILE = "detector.safetensors"
 PARAMS_FILE = "detector.json"
 
@@ -134,24 +137,45 @@ def oob_vote_fraction(
     that drew one votes the other's label wrong, so ungrouped votes on paired rows understate
     the forest (NSS on CW, q28's training side: AUROC 0.42 ungrouped, 0.67 grouped)."""
     x = _trees_input(forest, features)
-    if not forest.bootstrap:  # every tree saw every row
-        return np.full(len(x), np.nan)
     if groups is not None and np.shape(groups) != (len(x),):
         raise InputError(f"groups must have shape ({len(x)},), got {np.shape(groups)}")
-    group = np.arange(len(x)) if groups is None else np.unique(groups, return_inverse=True)[1]
-    n_groups = int(group.max(initial=-1)) + 1
+    rows = np.arange(len(x)) if groups is None else np.asarray(groups)
+    return held_out_votes(forest, x, rows, rows)[0]
+
+
+def held_out_votes(
+    forest: RandomForestClassifier,
+    features: np.ndarray,
+    groups: np.ndarray,
+    fitted_groups: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Votes on any rows by the trees that never saw their group: per row, the fraction voting
+    class 1 among the trees whose bootstrap sample drew no fitting row of the row's group
+    (``groups``: one id per row; ``fitted_groups``: one per row ``forest`` was fitted on, in
+    its order), float64 [N], NaN where no tree qualifies; and how many trees voted, int64 [N].
+    A row whose group the forest was not fitted on is voted on by every tree; the fitting rows
+    themselves (``groups`` = ``fitted_groups``) get their (grouped) out-of-bag votes."""
+    x = _trees_input(forest, features)
+    groups, fitted_groups = np.asarray(groups), np.asarray(fitted_groups)
+    if groups.shape != (len(x),):
+        raise InputError(f"groups must have shape ({len(x)},), got {groups.shape}")
+    samples = forest.estimators_samples_ if forest.bootstrap else None
+    if samples is not None and len(fitted_groups) <= max(int(s.max(initial=-1)) for s in samples):
+        raise InputError("fitted_groups must name each of the forest's fitting rows")
+    ids, index = np.unique(np.concatenate([fitted_groups, groups]), return_inverse=True)
+    fitted, group = index[: len(fitted_groups)], index[len(fitted_groups) :]
     votes = np.zeros(len(x), dtype=np.int64)
     counts = np.zeros(len(x), dtype=np.int64)
-    for tree, drawn in zip(forest.estimators_, forest.estimators_samples_, strict=True):
-        in_bag = np.zeros(n_groups, dtype=bool)
-        in_bag[group[drawn]] = True
+    for i, tree in enumerate(forest.estimators_):
+        in_bag = np.zeros(len(ids), dtype=bool)
+        in_bag[fitted if samples is None else fitted[samples[i]]] = True
         out = ~in_bag[group]
         if out.any():
             votes[out] += _tree_votes(tree, x[out])
             counts += out
     fraction = np.full(len(x), np.nan)
     np.divide(votes, counts, out=fraction, where=counts > 0)
-    return fraction
+    return fraction, counts
 
 
 DECISIONS = ("majority", "oob")  # a forest detector's own decision: see ForestDecision
@@ -246,6 +270,31 @@ class Detector(BaseEstimator):
         default, a threshold learnt in ``fit`` where a detector learns one; None: it decides at
         the threshold calibrated at a target FPR."""
         return self.info.default_threshold
+
+    def held_out_scores(
+        self, features: np.ndarray, predicted_labels: np.ndarray, groups: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Scores of any rows by what never saw their group (``groups``: each row's source
+        image), and per row the fewest forest trees that voted; None (default): the detector
+        has no such scores. A detector whose parts can leave rows out overrides it."""
+        return None
+
+    def score_held_out(self, samples: SampleSet) -> np.ndarray | None:
+        """Scores of ``samples`` by what never saw their source images (``samples.indices``):
+        the fitted detector's own clean fitting images scored about as new clean images are,
+        so a threshold can be calibrated on them too (more images than a held-out slice alone).
+        NaN where a forest has fewer than :data:`MIN_HELD_OUT_TREES` such trees; None when the
+        detector has no held-out scores (:meth:`held_out_scores`)."""
+        indices = getattr(samples, "indices", None)
+        if indices is None:
+            raise InputError("held-out scores need each sample's source image ('indices')")
+        held_out = self.held_out_scores(
+            self.serving_rows(samples), samples.predicted, np.asarray(indices)
+        )
+        if held_out is None:
+            return None
+        scores, trees = held_out
+        return np.where(trees >= MIN_HELD_OUT_TREES, scores, np.nan)
 
     def prepare(self: Self, model: nn.Module, images: np.ndarray, labels: np.ndarray) -> Self:
         """Fit what the detector learns from clean training images once (a no-op by default)."""

@@ -39,7 +39,7 @@ from detector.base import (
     check_binary_labels,
     check_class_labels,
     check_fitted,
-    oob_vote_fraction,
+    held_out_votes,
     source_groups,
     vote_fraction,
 )
@@ -309,6 +309,9 @@ class TransportDetector(ForestDecision, Detector):
         self.class_forests_ = class_forests
         self.class_ids_ = np.asarray(sorted(class_forests), dtype=np.int64)
         self.arrays_ = forest_arrays([general] + [class_forests[int(c)] for c in self.class_ids_])
+        # each fitting row's group and class, for held_out_scores (not saved with the arrays)
+        self.fitted_groups_ = np.arange(len(x)) if groups is None else np.asarray(groups)
+        self.fitted_predicted_ = predicted
         self._learn_decision(lambda: self._oob_scores(x, predicted, groups), y)
         return self
 
@@ -317,13 +320,32 @@ class TransportDetector(ForestDecision, Detector):
     ) -> np.ndarray:
         """The score (the OR) of the fitting rows from (grouped) out-of-bag votes; NaN only
         where both forests' trees all drew a row or its group."""
-        assert self.forest_ is not None
-        general = oob_vote_fraction(self.forest_, x, groups)
-        own = general.copy()
+        rows = np.arange(len(x)) if groups is None else np.asarray(groups)
+        return self.held_out_scores(x, predicted, rows)[0]
+
+    def held_out_scores(
+        self, features: np.ndarray, predicted_labels: np.ndarray, groups: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`score` of any rows by the trees that never saw their group (``groups``: each
+        row's source image, as ``fit`` was given them; row positions when it was given none):
+        the fitting rows' grouped out-of-bag scores, every tree's votes for a row whose group
+        the forests were not fitted on (:func:`~detector.base.held_out_votes`); NaN where both
+        forests lack such trees. Also, per row, the fewer trees that voted of the two forests
+        (0 where one has none). Needs the detector as fitted, not loaded from arrays."""
+        check_fitted(self)
+        if self.forest_ is None or not hasattr(self, "fitted_groups_"):
+            raise InputError("held-out scores need the detector as fitted, not loaded from arrays")
+        x = check_features(features, self.n_features_in_)
+        predicted = check_class_labels(predicted_labels, len(x))
+        general, counts = held_out_votes(self.forest_, x, groups, self.fitted_groups_)
+        own, own_counts = general.copy(), counts.copy()
         for c, forest in self.class_forests_.items():
-            mask = predicted == c
-            own[mask] = oob_vote_fraction(forest, x[mask], None if groups is None else groups[mask])
-        return np.fmax(general, own)
+            mask, fitted = predicted == c, self.fitted_predicted_ == c
+            if mask.any():
+                own[mask], own_counts[mask] = held_out_votes(
+                    forest, x[mask], np.asarray(groups)[mask], self.fitted_groups_[fitted]
+                )
+        return np.fmax(general, own), np.minimum(counts, own_counts)
 
     def fit_samples(self, clean: SampleSet, abnormal: SampleSet) -> TransportDetector:
         """Fit on the transport features and predicted labels of clean vs abnormal samples."""

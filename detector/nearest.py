@@ -13,19 +13,31 @@ _CHUNK = 1024  # rows per distance block (the nearest-sample distance is [chunk,
 
 
 def nearest_distance(
-    queries: torch.Tensor, points: torch.Tensor, *, exclude_self: bool = False
+    queries: torch.Tensor,
+    points: torch.Tensor,
+    *,
+    exclude_self: bool = False,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Squared Euclidean distance of each query row to its nearest row of ``points`` (the
-    second nearest with ``exclude_self``: the queries ARE the points), in blocks of rows."""
+    second nearest with ``exclude_self``: the queries ARE the points), in blocks of rows.
+    ``groups``: (the queries' group ids [Q], the points' [P]); a point of a query's own group
+    is never its nearest (inf when every point is of its group)."""
     k = 2 if exclude_self else 1
     if len(points) < k:
         raise InputError(f"the nearest-sample distance needs at least {k} clean samples")
-    out = [
-        torch.cdist(block, points, compute_mode="donot_use_mm_for_euclid_dist")
-        .topk(k, dim=1, largest=False)
-        .values[:, k - 1]
-        for block in queries.split(_CHUNK)
-    ]
+    if groups is not None and (
+        groups[0].shape != queries.shape[:1] or groups[1].shape != points.shape[:1]
+    ):
+        raise InputError("groups must give one id per query row and one per point")
+    out = []
+    for start in range(0, len(queries), _CHUNK):
+        block = queries[start : start + _CHUNK]
+        distance = torch.cdist(block, points, compute_mode="donot_use_mm_for_euclid_dist")
+        if groups is not None:
+            own = groups[0][start : start + _CHUNK, None] == groups[1][None, :]
+            distance = distance.masked_fill(own, torch.inf)
+        out.append(distance.topk(k, dim=1, largest=False).values[:, k - 1])
     return torch.cat(out).square() if out else queries.new_zeros(0)
 
 

@@ -144,13 +144,20 @@ class NoveltyScorer(nn.Module):
         logged = torch.log(torch.clamp(x, min=0.0) + self.offset)
         return (torch.where(self.log_columns, logged, x) - self.mean) / self.scale
 
-    def distance(self, features: torch.Tensor, predicted: torch.Tensor | None) -> torch.Tensor:
+    def distance(
+        self,
+        features: torch.Tensor,
+        predicted: torch.Tensor | None,
+        *,
+        groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Squared Mahalanobis distance to the nearest clean fitting sample (when fitted with
-        ``distance="nearest"``), else to the predicted class's mean (nearest mean for labels
-        without one, or when ``predicted`` is None)."""
+        ``distance="nearest"``; ``groups``: (the inputs' group ids, the fitting samples'), a
+        sample of an input's own group is never its nearest), else to the predicted class's
+        mean (nearest mean for labels without one, or when ``predicted`` is None)."""
         z = self.standardized(features)
         if self.points is not None and self.whiten is not None:
-            return nearest_distance(z @ self.whiten, self.points)
+            return nearest_distance(z @ self.whiten, self.points, groups=groups)
         diff = z[:, None, :] - self.class_means[None]  # [N, K, F]
         squared = ((diff @ self.precision) * diff).sum(dim=2)  # [N, K]
         squared = torch.where(self.class_present[None], squared, torch.inf)
@@ -520,6 +527,8 @@ class EnsembleDetector(Detector):
         if width < 0 or (width and (x.ndim != 2 or x.shape[1] <= width)):
             raise InputError(f"penultimate_columns {width} do not fit features {x.shape}")
         clean = np.asarray(is_abnormal) == 0
+        row_groups = np.arange(len(x)) if groups is None else np.asarray(groups)
+        self.clean_groups_ = row_groups[clean]  # for held_out_scores (not saved with the arrays)
         self.penultimate_width_ = width
         self.penultimate_ = embedding_arrays(x[clean, -width:]) if width else {}
         features = x[:, :-width] if width else x
@@ -533,7 +542,9 @@ class EnsembleDetector(Detector):
         self.forests_ = forests
         x, predicted = np.asarray(features), np.asarray(predicted_labels)
         self.novelty_ = novelty.fit(x[clean], predicted[clean])
-        self.family_names_, self.families_ = self._fit_families(x, clean, predicted, families)
+        self.family_names_, self.families_ = self._fit_families(
+            x, clean, predicted, families, row_groups
+        )
         self.n_features_in_ = self.forests_.n_features_in_ + width
         self.margin_column_, self.margin_ = None, {}
         if margin_column is not None and self.margin_tail > 0:
@@ -551,9 +562,11 @@ class EnsembleDetector(Detector):
         clean: np.ndarray,
         predicted: np.ndarray,
         families: np.ndarray | None,
+        groups: np.ndarray,
     ) -> tuple[list[str], list[TransportDetector]]:
         """One forest set per family: its rows vs up to ``family_clean_ratio`` clean rows per
-        row (drawn by the seed; every clean row when there are fewer)."""
+        row (drawn by the seed; every clean row when there are fewer); ``groups``: each row's
+        source image, kept for :meth:`held_out_scores`."""
         if not self.family_forests or families is None:
             return [], []
         families = np.asarray(families).astype(str)
@@ -574,7 +587,7 @@ class EnsembleDetector(Detector):
             # the ensemble reads a family's votes, never its own decision: none to learn
             params = {**self.forest_params(), "random_state": seed, "decision": "majority"}
             part = TransportDetector(**params)
-            fitted.append(part.fit(x[both], ~clean[both], predicted[both]))
+            fitted.append(part.fit(x[both], ~clean[both], predicted[both], groups[both]))
         return names, fitted
 
     def fit_samples(
@@ -656,6 +669,49 @@ class EnsembleDetector(Detector):
         if embedding is not None:
             score = np.maximum(score, embedding)
         return score.astype(np.float64)
+
+    def held_out_scores(
+        self, features: np.ndarray, predicted_labels: np.ndarray, groups: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`score` of any rows by what never saw their group (``groups``: each row's
+        source image, as ``fit`` was given them; row positions when it was given none): each
+        forest's grouped out-of-bag votes (:meth:`TransportDetector.held_out_scores`), and for
+        the nearest-clean distances the nearest clean fitting row of another group. Rows of a
+        group it was not fitted on get :meth:`score`; its own clean fitting rows get the score
+        a detector fitted without them would about give them, for calibration. The margin part
+        reads every clean margin (a fitting row's own moves its CDF by at most 1/n). Also,
+        per row, the fewest trees that voted of any forest (its score is NaN where that is 0).
+        Needs the detector as fitted, not loaded from arrays."""
+        check_fitted(self)
+        if not hasattr(self, "clean_groups_"):
+            raise InputError("held-out scores need the detector as fitted, not loaded from arrays")
+        features = check_features(features, self.n_features_in_)
+        predicted = check_class_labels(predicted_labels, len(features))
+        groups = np.asarray(groups)
+        width = self.penultimate_width_
+        x = np.asarray(features[:, :-width] if width else features, np.float32)
+        forests, fewest = self.forests_.held_out_scores(x, predicted, groups)
+        score = forests.astype(np.float32)
+        for family in self.families_:
+            part, trees = family.held_out_scores(x, predicted, groups)
+            score, fewest = np.maximum(score, part.astype(np.float32)), np.minimum(fewest, trees)
+        ids = np.unique(np.concatenate([groups, self.clean_groups_]), return_inverse=True)[1]
+        pair = (torch.from_numpy(ids[: len(groups)]), torch.from_numpy(ids[len(groups) :]))
+        with torch.inference_mode():
+            rows, labels = torch.from_numpy(x), torch.from_numpy(predicted)
+            novelty = self.novelty_.to_torch()
+            u = clean_cdf(novelty.reference, novelty.distance(rows, labels, groups=pair))
+            parts = [tail_ramp(u, self.tail)]
+            margin = self._margin_scorer()
+            if margin is not None:
+                parts.append(tail_ramp(margin(rows, labels), self.margin_tail))
+            if width:
+                embedding = torch.from_numpy(np.asarray(features[:, -width:], np.float32))
+                u = self._embedding_scorer()(embedding, groups=pair)  # type: ignore[misc]
+                parts.append(tail_ramp(u, self.penultimate_tail))
+        for ramp in parts:
+            score = np.maximum(score, ramp.numpy())
+        return score.astype(np.float64), fewest
 
     def _margin_scorer(self) -> MarginScorer | None:
         if self.margin_column_ is None:

@@ -84,9 +84,17 @@ class EmbeddingScorer(nn.Module):
             value = np.ascontiguousarray(np.asarray(arrays[key], np.float32))
             self.register_buffer(key, torch.from_numpy(value))
 
-    def forward(self, embedding: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        embedding: torch.Tensor,
+        *,
+        groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``groups``: (the inputs' group ids, the clean rows'): a clean row of an input's own
+        group is never its nearest (:func:`~detector.nearest.nearest_distance`)."""
         if embedding.ndim != 2 or embedding.shape[1] != self.points.shape[1]:
             raise InputError(
                 f"fitted on {self.points.shape[1]}-wide embeddings, got {tuple(embedding.shape)}"
             )
-        return clean_cdf(self.reference, nearest_distance(embedding.float(), self.points))
+        distance = nearest_distance(embedding.float(), self.points, groups=groups)
+        return clean_cdf(self.reference, distance)

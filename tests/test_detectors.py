@@ -89,6 +89,35 @@ def test_grouped_oob_votes_leave_a_rows_twin_out_of_the_bag_too() -> None:
         oob_vote_fraction(forest, x, groups[:10])
 
 
+def test_held_out_votes_count_only_trees_that_never_drew_a_rows_group() -> None:
+    from sklearn.ensemble import RandomForestClassifier
+
+    from detector.base import held_out_votes, vote_fraction
+
+    x, y, _ = _separated(100, 5, shift=0.8)
+    groups = np.r_[np.arange(100), np.arange(100)]  # each abnormal row is a clean row's twin
+    forest = RandomForestClassifier(n_estimators=30, random_state=2).fit(x, y)
+    # The fitting rows themselves: their grouped out-of-bag votes.
+    fraction, counts = held_out_votes(forest, x, groups, groups)
+    np.testing.assert_array_equal(fraction, oob_vote_fraction(forest, x, groups))
+    # New rows of a group the forest never saw: every tree votes, as vote_fraction.
+    fresh, _, _ = _separated(50, 6)
+    fraction, counts = held_out_votes(forest, fresh, np.arange(1000, 1100), groups)
+    np.testing.assert_array_equal(fraction, vote_fraction(forest, fresh))
+    assert (counts == 30).all()
+    # A new row of a fitting group (another image of the same source): only the trees that drew
+    # none of the group's fitting rows vote on it.
+    row, group = fresh[:1], np.array([7])
+    out = [
+        i for i, drawn in enumerate(forest.estimators_samples_) if not (groups[drawn] == 7).any()
+    ]
+    fraction, counts = held_out_votes(forest, row, group, groups)
+    expected = np.mean([forest.estimators_[i].predict(row)[0] for i in out]) if out else np.nan
+    assert counts[0] == len(out) < 30 and np.allclose(fraction[0], expected, equal_nan=True)
+    with pytest.raises(InputError, match="fitted_groups must name"):
+        held_out_votes(forest, row, group, groups[:10])
+
+
 def test_fit_samples_groups_each_attacked_image_with_its_source() -> None:
     from types import SimpleNamespace
 

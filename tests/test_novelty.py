@@ -273,3 +273,54 @@ def test_the_margin_part_flags_inputs_on_the_decision_boundary() -> None:
         Rows(x, y), Rows(attacked, y[:300])
     )
     assert unnamed.margin_column_ is None and off.margin_column_ is None
+
+
+def test_held_out_scores_give_fitting_clean_rows_the_scores_of_new_clean_rows() -> None:
+    """A fitted ensemble's own clean rows score low (its trees drew them, each is its own nearest
+    clean row); scored by what never saw their source (out-of-bag trees, the nearest clean row of
+    another source) they are flagged about as often as new clean rows, so a threshold can be
+    calibrated on them. Rows of a source it never saw get :meth:`score` itself."""
+    from types import SimpleNamespace
+
+    def rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        x, y = _clean(n, seed)
+        embedding = np.random.default_rng(seed + 50).normal(size=(n, 2)).astype(np.float32)
+        return np.concatenate([x, embedding], axis=1), y
+
+    x, y = rows(1500, 0)
+    rng = np.random.default_rng(4)
+    large = x[:500] + np.float32(0.6) * np.r_[np.ones(3), np.zeros(2)].astype(np.float32)
+    subtle = x[500:700].copy()
+    subtle[:, 1] += np.float32(0.1) * rng.standard_normal(200).astype(np.float32)
+    features = np.concatenate([x, large, subtle])
+    is_abnormal = np.r_[np.zeros(1500, int), np.ones(700, int)]
+    labels = np.r_[y, y[:700]]
+    families = np.r_[np.full(1500, ""), np.full(500, "large"), np.full(200, "subtle")]
+    groups = np.r_[np.arange(1500), np.arange(700)]  # each attacked row shares its source's id
+    ensemble = EnsembleDetector(n_estimators=40, tail=0.05, penultimate_tail=0.05).fit(
+        features, is_abnormal, labels, families, penultimate_columns=2, groups=groups
+    )
+    fresh, fresh_labels = rows(3000, 1)
+    new_groups = np.arange(10_000, 13_000)
+    held_fresh, trees = ensemble.held_out_scores(fresh, fresh_labels, new_groups)
+    np.testing.assert_array_equal(held_fresh, ensemble.score(fresh, fresh_labels))
+    assert (trees == 40).all()
+    threshold = np.quantile(held_fresh, 0.9)
+    in_sample = ensemble.score(x, y)
+    held_out, trees = ensemble.held_out_scores(x, y, np.arange(1500))
+    voted = trees >= 5
+    assert voted.mean() > 0.5  # rows with an attacked twin: ~e^-2 of the trees
+    assert np.mean(in_sample > threshold) < 0.04
+    assert 0.06 < np.mean(held_out[voted] > threshold) < 0.14
+    # The sample-set form: NaN where a forest had too few such trees; it needs the sources.
+    samples = SimpleNamespace(
+        features=x[:, :3], predicted=y, extra={"penultimate": x[:, 3:]}, indices=np.arange(1500)
+    )
+    scores = ensemble.score_held_out(samples)
+    assert scores is not None
+    np.testing.assert_array_equal(np.isnan(scores), trees < 10)
+    with pytest.raises(InputError, match="source image"):
+        ensemble.score_held_out(SimpleNamespace(features=x[:, :3], predicted=y, extra={}))
+    assert NoveltyDetector().fit(x[:, :3], y).score_held_out(samples) is None
+    with pytest.raises(InputError, match="as fitted"):
+        EnsembleDetector.from_arrays(*ensemble.to_arrays()).held_out_scores(x, y, groups[:1500])
