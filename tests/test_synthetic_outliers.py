@@ -73,6 +73,9 @@ def _copy_with_synthetic(smoke_run: Path, out: Path, n: int) -> Path:
     return out
 
 
+# The smoke networks' weak forests score some clean fitting images at 1.0 by the trees that never
+# saw them (13 of 231 once), so the calibration may saturate and says so; this test reads AUROC.
+@pytest.mark.filterwarnings("ignore::detector.calibration.CalibrationWarning")
 def test_deployed_ensemble_learns_synthetic_outliers_of_images_it_never_saw(
     smoke_run, data_root, tmp_path
 ) -> None:
@@ -107,8 +110,9 @@ def test_deployed_ensemble_learns_synthetic_outliers_of_images_it_never_saw(
         scores = np.r_[detector.score_samples(held_out), detector.score_samples(samples)]
         return float(roc_auc_score(truth, scores))
 
-    # Threshold-free: the smoke run's calibration slice (120 images) can put the threshold at
-    # the score's maximum, 1.0, where nothing is flagged (seen with torch 2.14's smoke networks).
+    # Threshold-free: the smoke run's calibration images (120 of the slice, ~230 of its own
+    # fitting images) can put the threshold at the score's maximum, 1.0, where nothing is
+    # flagged (seen with torch 2.14's smoke networks).
     learnt, before = auroc(with_outliers), auroc(without)
     assert learnt > before + 0.1, (learnt, before)
     assert info["heldout"]["fpr"] < 0.2  # still a detector, not a flag on everything

@@ -681,13 +681,26 @@ def _calibration_note(
     return (
         f"The detector that ships in the bundle: {kind} on {MODEL_LABELS.get(network, network)}, "
         f"trained on {trained}, flagging a score above {at}, calibrated for {target_text} on "
-        f"{calibration.get('n', '?')} held-out clean training-side images{achieved_text}. "
+        f"{_calibration_images(info, calibration)}{achieved_text}. "
         f"Rates are measured by the Guard (the server's scoring path) on the held-out test side "
         f"(split seed {info.get('split_seed', '?')}, one run); n: images per set. The last "
         "column is the seen protocol's rate for the same network and detector trained on that "
         "attack alone (mean ± std over its runs)."
         + _clean_split_note(info.get("heldout", {}))
         + _saturation_note(calibration)
+    )
+
+
+def _calibration_images(info: Mapping[str, Any], calibration: Mapping[str, Any]) -> str:
+    """Which clean images the threshold was calibrated on (deployable.json's counts)."""
+    images = info.get("calibration_images") or {}
+    if not images.get("fitting"):
+        return f"{calibration.get('n', '?')} held-out clean training-side images"
+    return (
+        f"{calibration.get('n', '?')} clean training-side images ({images.get('slice', '?')} of "
+        f"a held-out calibration slice, {images['fitting']} of its own fitting images scored by "
+        "the parts that never saw them: out-of-bag forest votes and the nearest clean image of "
+        "another source)"
     )
 
 
