@@ -142,6 +142,22 @@ def test_fit_samples_groups_each_attacked_image_with_its_source() -> None:
     assert grouped.decision_threshold() != ungrouped.decision_threshold()
     ensemble = EnsembleDetector(**params, penultimate_tail=0).fit_samples(clean, abnormal)
     assert ensemble.forests_.decision_threshold() == grouped.decision_threshold()
+    # Its clean fitting images scored by the trees that drew neither them nor their twins: the
+    # grouped out-of-bag score (as its decision reads it), NaN where fewer than 10 trees did.
+    hundred = TransportDetector(n_estimators=100, min_class_samples=10).fit_samples(clean, abnormal)
+    general = oob_vote_fraction(hundred.forest_, x, source)
+    own = general.copy()
+    for label, forest in hundred.class_forests_.items():
+        rows_of = predicted == label
+        own[rows_of] = oob_vote_fraction(forest, x[rows_of], source[rows_of])
+    held_out = hundred.score_held_out(clean)
+    assert held_out is not None
+    _, trees = hundred.held_out_scores(x[:150], predicted[:150], source[:150])
+    expected = np.where(trees >= 10, np.fmax(general, own)[:150], np.nan)
+    np.testing.assert_array_equal(held_out, expected)
+    assert 0.05 < np.isnan(held_out).mean() < 0.8  # ~100 x e^-2 trees each: some fewer than 10
+    with pytest.raises(InputError, match="as fitted"):
+        TransportDetector.from_arrays(*grouped.to_arrays()).score_held_out(clean)
 
 
 def test_transport_decision_is_the_out_of_bag_balanced_point() -> None:
