@@ -293,6 +293,11 @@ class Detector(BaseEstimator):
         )
         if held_out is None:
             return None
+        if not getattr(self, "grouped_", False):
+            raise InputError(
+                "this detector was fitted without each row's source image (fit_samples gives "
+                "them), so its fitting images cannot be told by their indices"
+            )
         scores, trees = held_out
         return np.where(trees >= MIN_HELD_OUT_TREES, scores, np.nan)
 

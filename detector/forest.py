@@ -311,6 +311,7 @@ class TransportDetector(ForestDecision, Detector):
         self.arrays_ = forest_arrays([general] + [class_forests[int(c)] for c in self.class_ids_])
         # each fitting row's group and class, for held_out_scores (not saved with the arrays)
         self.fitted_groups_ = np.arange(len(x)) if groups is None else np.asarray(groups)
+        self.grouped_ = groups is not None  # by source image: score_held_out can read indices
         self.fitted_predicted_ = predicted
         self._learn_decision(lambda: self._oob_scores(x, predicted, groups), y)
         return self

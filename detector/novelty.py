@@ -540,6 +540,7 @@ class EnsembleDetector(Detector):
         if forests is None:
             forests = pooled.fit(features, is_abnormal, predicted_labels, groups)
         self.forests_ = forests
+        self.grouped_ = groups is not None and getattr(forests, "grouped_", False)
         x, predicted = np.asarray(features), np.asarray(predicted_labels)
         self.novelty_ = novelty.fit(x[clean], predicted[clean])
         self.family_names_, self.families_ = self._fit_families(

@@ -158,6 +158,8 @@ def test_fit_samples_groups_each_attacked_image_with_its_source() -> None:
     assert 0.05 < np.isnan(held_out).mean() < 0.8  # ~100 x e^-2 trees each: some fewer than 10
     with pytest.raises(InputError, match="as fitted"):
         TransportDetector.from_arrays(*grouped.to_arrays()).score_held_out(clean)
+    with pytest.raises(InputError, match="without each row's source image"):
+        ungrouped.score_held_out(clean)  # its groups are row positions, not the indices
 
 
 def test_transport_decision_is_the_out_of_bag_balanced_point() -> None:
