@@ -108,7 +108,8 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
     (every deploy attack in equal shares, :func:`equal_shares`, each row marked with its attack
     family: the ensemble also fits one forest set per family; with the config's synthetic
     outliers for the ensemble), in the feature set chosen for that network; calibrate it at the
-    config's target FPR (with its confidence) on the split's calibration clean images; and score
+    config's target FPR (with its confidence) on the split's calibration clean images and its
+    own clean fitting images' held-out scores (:func:`calibration_clean_scores`); and score
     the held-out side of every attack set and every OOD set, all through the Guard."""
     if detector not in deployable_detectors():
         raise ConfigError(
@@ -169,7 +170,7 @@ def calibration_clean_scores(
     split's calibration images, which nothing was fitted on; and 'fitting', the detector's
     held-out scores of its own clean fitting images (:meth:`Detector.score_held_out`: each
     forest's out-of-bag votes, grouped by source image, and the nearest clean image of another
-    source), where it has them (none NaN). Three times as many images put the calibrated
+    source), those that are not NaN. Three times as many images put the calibrated
     threshold closer to the target FPR: on q28's training side (a validation quarter, three
     splits), the slice alone landed at 3.13-5.07% clean FPR, with the fitting images at
     4.07-5.20%."""
