@@ -337,14 +337,14 @@ class TransportDetector(ForestDecision, Detector):
         if self.forest_ is None or not hasattr(self, "fitted_groups_"):
             raise InputError("held-out scores need the detector as fitted, not loaded from arrays")
         x = check_features(features, self.n_features_in_)
-        predicted = check_class_labels(predicted_labels, len(x))
+        predicted, groups = check_class_labels(predicted_labels, len(x)), np.asarray(groups)
         general, counts = held_out_votes(self.forest_, x, groups, self.fitted_groups_)
         own, own_counts = general.copy(), counts.copy()
         for c, forest in self.class_forests_.items():
             mask, fitted = predicted == c, self.fitted_predicted_ == c
             if mask.any():
                 own[mask], own_counts[mask] = held_out_votes(
-                    forest, x[mask], np.asarray(groups)[mask], self.fitted_groups_[fitted]
+                    forest, x[mask], groups[mask], self.fitted_groups_[fitted]
                 )
         return np.fmax(general, own), np.minimum(counts, own_counts)
 
