@@ -66,6 +66,14 @@ def fpr_upper_bound(flagged: np.ndarray, n: int, confidence: float) -> np.ndarra
     return np.where(flagged >= n, 1.0, bound)
 
 
+def rate_interval(flagged: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Two-sided Clopper-Pearson (exact) interval of a rate: ``flagged`` of ``n`` images."""
+    if n < 1 or not 0 <= flagged <= n:
+        raise InputError(f"a rate needs 0 <= flagged <= n and n >= 1, got {flagged} of {n}")
+    interval = stats.binomtest(int(flagged), int(n)).proportion_ci(confidence, method="exact")
+    return float(interval.low), float(interval.high)
+
+
 def empirical_fpr(clean_scores: np.ndarray, threshold: float) -> float:
     """Share of clean scores flagged (score > threshold)."""
     scores = _check_scores(clean_scores)

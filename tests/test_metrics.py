@@ -15,6 +15,7 @@ from detector.calibration import (
     calibrate_threshold,
     empirical_fpr,
     fpr_upper_bound,
+    rate_interval,
 )
 from detector.errors import ArtefactError, ConfigError, InputError
 from detector.metrics import (
@@ -128,6 +129,22 @@ def test_confident_calibration_bounds_its_fpr_and_travels_in_the_dict() -> None:
     assert fpr_upper_bound(np.array([100]), 100, 0.95)[0] == 1.0
     with pytest.raises(ConfigError):
         calibrate_threshold(scores, 0.05, confidence=1.0)
+
+
+def test_rate_interval_is_the_exact_two_sided_clopper_pearson_interval() -> None:
+    # 0 of n: [0, 1 - (alpha/2)^(1/n)]; n of n: [(alpha/2)^(1/n), 1]; k of n mirrors n - k of n
+    np.testing.assert_allclose(rate_interval(0, 100), (0.0, 1 - 0.025 ** (1 / 100)))
+    np.testing.assert_allclose(rate_interval(100, 100), (0.025 ** (1 / 100), 1.0))
+    low, high = rate_interval(108, 2000)
+    np.testing.assert_allclose((1 - high, 1 - low), rate_interval(1892, 2000))
+    assert low < 108 / 2000 < high
+    # each side of a 90% interval is the one-sided 95% bound the calibration uses
+    assert math.isclose(
+        rate_interval(12, 100, 0.9)[1], fpr_upper_bound(np.array([12]), 100, 0.95)[0]
+    )
+    for flagged, n in ((5, 0), (-1, 10), (11, 10)):
+        with pytest.raises(InputError):
+            rate_interval(flagged, n)
 
 
 def test_a_threshold_at_tied_top_scores_is_flagged_saturated_with_a_warning() -> None:

@@ -73,7 +73,8 @@ DEPLOYABLE = {
         "n_misclassified": 80,
         "flag_rate": {"fgm-eps0.1": 0.995, "bim": 0.9874, "fgm-eps0.03": 0.61},
         "n": {"fgm-eps0.1": 1000, "bim": 478, "fgm-eps0.03": 200},
-        "successful_flag_rate": {"fgm-eps0.1": 0.9971, "bim": 0.9912},
+        "successful_flag_rate": {"fgm-eps0.1": 0.998, "bim": 0.9912},
+        "n_successful": {"fgm-eps0.1": 998},  # bim's count missing: no interval for it
         "ood": {"flag_rate": {"digits": 0.4125}, "n": {"digits": 1000}},
     },
     "split_seed": 0,
@@ -315,17 +316,25 @@ def test_deployed_detector_rates_shown_with_every_key_found(tmp_path: Path) -> N
     assert "successful flag rate (%)" in next(
         ln for ln in deployed.splitlines() if ln.startswith(header)
     )
-    assert _table_row(deployed, "clean (FPR)", header)[1:4] == ["", "4.80", "1000"]
-    # set, trained on, flagged, n, successful flag rate, seen protocol's calibrated TPR
+    # each rate with its two-sided 95% Clopper-Pearson interval: 48 of 1000 -> 3.56-6.31%
+    assert _table_row(deployed, "clean (FPR)", header)[1:5] == ["", "4.80", "1000", "3.56–6.31"]
+    # set, trained on, flagged, n, interval, successful flag rate, n successful, interval,
+    # seen protocol's calibrated TPR
     assert _table_row(deployed, "FGM ε=0.1", header)[1:] == [
         "yes",
         "99.50",
         "1000",
-        "99.71",
+        "98.84–99.84",
+        "99.80",
+        "998",
+        "99.28–99.98",
         "96.14 ± 0.30",
     ]
-    assert _table_row(deployed, "FGM ε=0.03", header)[1:] == ["no", "61.00", "200", "", ""]
-    assert _table_row(deployed, "digits", header)[1:4] == ["no", "41.25", "1000"]
+    assert _table_row(deployed, "BIM", header)[5:8] == ["99.12", "", ""]
+    assert _table_row(deployed, "FGM ε=0.03", header)[1:] == [
+        "no", "61.00", "200", "53.87–67.80", "", "", "", "",
+    ]  # fmt: skip
+    assert _table_row(deployed, "digits", header)[1:5] == ["no", "41.25", "1000", "38.13–44.32"]
     names = [ln.split("|")[1].strip() for ln in deployed.splitlines() if ln.startswith("| ")]
     assert names[2:] == ["clean (FPR)", "FGM ε=0.03", "FGM ε=0.1", "BIM", "digits"]
     assert "Warning" not in deployed

@@ -30,6 +30,7 @@ import numpy as np
 
 from detector import __version__, artefacts
 from detector.base import DetectorInfo
+from detector.calibration import rate_interval
 from detector.errors import ArtefactError, ConfigError
 from detector.registry import detector_info
 from training.plots import (
@@ -564,6 +565,9 @@ def ood_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> l
 # ---- the shipped detector and the learning curves ----------------------------------------------
 
 _HELDOUT_COLUMNS = {"flag_rate": "flagged (%)", "n": "n"}
+# each rate column of the held-out table and its count column: an interval column follows the count
+_RATE_COUNTS = {"flag_rate": "n", "successful_flag_rate": "n_successful"}
+INTERVAL_CONFIDENCE = 0.95
 
 
 def _is_count(key: str) -> bool:
@@ -618,6 +622,27 @@ def _heldout_cell(column: str, value: float | None) -> str:
     return str(int(value)) if _is_count(column) else _percent(value)
 
 
+def _with_intervals(columns: list[str]) -> list[str]:
+    """The held-out columns, each count column of a rate followed by that rate's interval."""
+    out = []
+    for column in columns:
+        out.append(column)
+        rates = [r for r, n in _RATE_COUNTS.items() if n == column and r in columns]
+        out.extend(f"interval {r}" for r in rates)
+    return out
+
+
+def _interval_cell(column: str, values: Mapping[str, float]) -> str:
+    """'4.44–6.49': the rate's two-sided Clopper-Pearson interval (%) on its images; '' without
+    the rate or its count."""
+    rate = column.removeprefix("interval ")
+    value, n = values.get(rate), values.get(_RATE_COUNTS[rate])
+    if value is None or not n:
+        return ""
+    low, high = rate_interval(int(round(value * n)), int(n), INTERVAL_CONFIDENCE)
+    return f"{_percent(low)}–{_percent(high)}"
+
+
 def deployed_section(
     run_dir: Path, config: Mapping[str, Any], detection: Sequence[Record]
 ) -> list[str]:
@@ -637,13 +662,21 @@ def deployed_section(
         for r in detection
         if r["setting"] == "seen" and r["model"] == network and r["detector"] == kind
     }
-    header = ["Set", "trained on", *(_heldout_header(c) for c in columns)]
+    columns = _with_intervals(columns)
+    interval = f"{100 * INTERVAL_CONFIDENCE:g}% interval (%)"
+    header = ["Set", "trained on"]
+    header += [interval if c.startswith("interval ") else _heldout_header(c) for c in columns]
     header.append(f"seen protocol {row_label(network, kind)}: TPR at calibrated threshold (%)")
     rows = []
     for key, values in table.items():
         label = "clean (FPR)" if key == CLEAN else set_label(key)
         role = "" if key == CLEAN else ("yes" if key in trained else "no")
-        cells = [_heldout_cell(c, values.get(c)) for c in columns]
+        cells = [
+            _interval_cell(c, values)
+            if c.startswith("interval ")
+            else _heldout_cell(c, values.get(c))
+            for c in columns
+        ]
         protocol = format_cell(seen[key], "calibrated_tpr") if key in seen else ""
         rows.append([label, role, *cells, protocol])
     calibration = info.get("calibration", {})
@@ -683,7 +716,8 @@ def _calibration_note(
         f"trained on {trained}, flagging a score above {at}, calibrated for {target_text} on "
         f"{_calibration_images(info, calibration)}{achieved_text}. "
         f"Rates are measured by the Guard (the server's scoring path) on the held-out test side "
-        f"(split seed {info.get('split_seed', '?')}, one run); n: images per set. The last "
+        f"(split seed {info.get('split_seed', '?')}, one run); n: images per set, and each rate's two-sided "
+        f"{100 * INTERVAL_CONFIDENCE:g}% Clopper-Pearson interval on them. The last "
         "column is the seen protocol's rate for the same network and detector trained on that "
         "attack alone (mean ± std over its runs)."
         + _clean_split_note(info.get("heldout", {}))
