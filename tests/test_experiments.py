@@ -92,6 +92,13 @@ def test_protocols_are_leak_free_and_report_mean_and_std(world) -> None:
     for row in rows.values():
         assert row["runs"] == 3 and 0 <= row["accuracy_std"] <= 0.5
         assert {"accuracy", "auroc", "tpr", "fpr", "fpr_at_95_tpr"} <= set(row)
+        # each run's value is kept, in seed order, for paired comparisons between detectors
+        runs = row["per_run"]["accuracy"]
+        assert len(runs) == 3 and np.isclose(np.mean(runs), row["accuracy"])
+        assert np.isclose(np.std(runs), row["accuracy_std"])
+    record = next(r for r in records if (r.setting, r.train) == ("seen", "cw"))
+    seed_order = [o.metrics["accuracy"] for o in record.outcomes]
+    assert rows[("seen", "cw", "cw")]["per_run"]["accuracy"] == seed_order
     # Clear separations are detected; the seen FGM experiment is near perfect.
     assert rows[("seen", "fgm", "fgm")]["accuracy"] > 0.95
     assert rows[("seen", "fgm", "fgm")]["successful_attack_detection_rate"] > 0.95

@@ -105,6 +105,11 @@ def make_run(root: Path, *, ood: bool = True, scores: bool = True) -> Path:
         _row("lap", "nss", "bim", "bim", 0.9700, 0.0030),
         _row("lap", "nss", "fgm-eps0.1", "bim", 0.6000, 0.0200),
     ]
+    # per-run accuracies (seed order) of two seen cells, for the paired comparison
+    detection[0]["per_run"] = {"accuracy": [0.97, 0.975, 0.965, 0.98, 0.967]}  # LAP TR, FGM 0.1
+    detection[2]["per_run"] = {"accuracy": [0.88, 0.87, 0.89, 0.88, 0.88]}  # LAP MH, FGM 0.1
+    detection[3]["per_run"] = {"accuracy": [0.96, 0.95, 0.97, 0.96, 0.96]}  # LAP TR, BIM
+    detection[8]["per_run"] = {"accuracy": [0.97, 0.96, 0.98, 0.97, 0.97]}  # LAP NS, BIM
     ood_rows = [
         {
             "model": m,
@@ -273,6 +278,24 @@ def _table_row(text: str, label: str, after: str) -> list[str]:
     rest = text[text.index(after) :]
     line = next(ln for ln in rest.splitlines() if ln.startswith(f"| {label} "))
     return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_transport_is_held_against_each_baseline_run_by_run(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    seen = _section(write_report(run).read_text(), "Seen attacks")
+    header = "| Network pair "
+    assert re.search(r"\| Network pair \| +FGM ε=0\.1 \| +BIM \|", seen)
+    # TR beats MH on every run by 9.14 points on average (paired t-test p 6e-5)
+    assert _table_row(seen, "LAP TR − MH", header)[1:] == ["+9.14 · 5/5 · p < 0.01", ""]
+    # NS beats TR by exactly one point on every run: no spread, so no t-test
+    assert _table_row(seen, "LAP TR − NS", header)[1:] == ["", "-1.00 · 0/5 · p –"]
+    assert "VAN TR − " not in seen  # VAN's records keep no runs: no pair to compare
+    # a run written before the runs were kept has no such table
+    results = json.loads((run / "results.json").read_text())
+    for record in results["detection"]:
+        record.pop("per_run", None)
+    (run / "results.json").write_text(json.dumps(results))
+    assert "against each baseline" not in write_report(run).read_text()
 
 
 def test_security_view_has_seed_appendix_h_tables_with_ns_rows(tmp_path: Path) -> None:

@@ -178,11 +178,14 @@ class ExperimentRecord:
             row.update(train_set=self.train, test_set=self.test)
         else:
             row.update(train_attack=self.train, test_attack=self.test)
+        per_run: dict[str, list[float]] = {}
         for key in keys:
             values = np.array([o.metrics[key] for o in self.outcomes])
             row[key] = float(values.mean())
             row[f"{key}_std"] = float(values.std())
+            per_run[key] = [float(v) for v in values]
         row["runs"] = len(self.outcomes)
+        row["per_run"] = per_run  # run i of every detector is seed i's split: paired comparisons
         row["n_test"] = int(np.mean([o.metrics["n_test"] for o in self.outcomes]))
         return row
 
