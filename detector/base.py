@@ -124,6 +124,16 @@ def _tree_votes(tree: Any, x: np.ndarray) -> np.ndarray:
     return leaf_class[tree.apply(x, check_input=False)]
 
 
+def check_groups(groups: np.ndarray | None, n: int) -> np.ndarray:
+    """One group id per row of ``n`` (a row's source image), as an array; row positions (each row
+    its own group) when None."""
+    if groups is None:
+        return np.arange(n)
+    if np.shape(groups) != (n,):
+        raise InputError(f"groups must have shape ({n},), got {np.shape(groups)}")
+    return np.asarray(groups)
+
+
 def oob_vote_fraction(
     forest: RandomForestClassifier, features: np.ndarray, groups: np.ndarray | None = None
 ) -> np.ndarray:
@@ -137,9 +147,7 @@ def oob_vote_fraction(
     that drew one votes the other's label wrong, so ungrouped votes on paired rows understate
     the forest (NSS on CW, q28's training side: AUROC 0.42 ungrouped, 0.67 grouped)."""
     x = _trees_input(forest, features)
-    if groups is not None and np.shape(groups) != (len(x),):
-        raise InputError(f"groups must have shape ({len(x)},), got {np.shape(groups)}")
-    rows = np.arange(len(x)) if groups is None else np.asarray(groups)
+    rows = check_groups(groups, len(x))
     return held_out_votes(forest, x, rows, rows)[0]
 
 
@@ -156,9 +164,7 @@ def held_out_votes(
     A row whose group the forest was not fitted on is voted on by every tree; the fitting rows
     themselves (``groups`` = ``fitted_groups``) get their (grouped) out-of-bag votes."""
     x = _trees_input(forest, features)
-    groups, fitted_groups = np.asarray(groups), np.asarray(fitted_groups)
-    if groups.shape != (len(x),):
-        raise InputError(f"groups must have shape ({len(x)},), got {groups.shape}")
+    groups, fitted_groups = check_groups(groups, len(x)), np.asarray(fitted_groups)
     samples = forest.estimators_samples_ if forest.bootstrap else None
     if samples is not None and len(fitted_groups) <= max(int(s.max(initial=-1)) for s in samples):
         raise InputError("fitted_groups must name each of the forest's fitting rows")

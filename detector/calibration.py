@@ -70,6 +70,8 @@ def rate_interval(flagged: int, n: int, confidence: float = 0.95) -> tuple[float
     """Two-sided Clopper-Pearson (exact) interval of a rate: ``flagged`` of ``n`` images."""
     if n < 1 or not 0 <= flagged <= n:
         raise InputError(f"a rate needs 0 <= flagged <= n and n >= 1, got {flagged} of {n}")
+    if not 0 < confidence < 1:
+        raise InputError(f"confidence must be in (0, 1), got {confidence}")
     interval = stats.binomtest(int(flagged), int(n)).proportion_ci(confidence, method="exact")
     return float(interval.low), float(interval.high)
 

@@ -39,6 +39,7 @@ from detector.base import (
     check_binary_labels,
     check_class_labels,
     check_fitted,
+    check_groups,
     held_out_votes,
     source_groups,
     vote_fraction,
@@ -293,6 +294,7 @@ class TransportDetector(ForestDecision, Detector):
         x = check_features(features)
         y = check_binary_labels(is_abnormal, len(x))
         predicted = check_class_labels(predicted_labels, len(x))
+        row_groups = check_groups(groups, len(x))
         if self.n_estimators < 1:
             raise InputError(f"n_estimators must be >= 1, got {self.n_estimators}")
         self._check_decision()
@@ -310,7 +312,7 @@ class TransportDetector(ForestDecision, Detector):
         self.class_ids_ = np.asarray(sorted(class_forests), dtype=np.int64)
         self.arrays_ = forest_arrays([general] + [class_forests[int(c)] for c in self.class_ids_])
         # each fitting row's group and class, for held_out_scores (not saved with the arrays)
-        self.fitted_groups_ = np.arange(len(x)) if groups is None else np.asarray(groups)
+        self.fitted_groups_ = row_groups
         self.grouped_ = groups is not None  # by source image: score_held_out can read indices
         self.fitted_predicted_ = predicted
         self._learn_decision(lambda: self._oob_scores(x, predicted, groups), y)

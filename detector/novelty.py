@@ -72,8 +72,10 @@ from detector.base import (
     DetectorInfo,
     SampleSet,
     abnormal_labels,
+    check_binary_labels,
     check_class_labels,
     check_fitted,
+    check_groups,
     source_groups,
 )
 from detector.errors import ArtefactError, InputError
@@ -526,8 +528,8 @@ class EnsembleDetector(Detector):
             raise InputError("penultimate columns given, but penultimate_tail is 0")
         if width < 0 or (width and (x.ndim != 2 or x.shape[1] <= width)):
             raise InputError(f"penultimate_columns {width} do not fit features {x.shape}")
-        clean = np.asarray(is_abnormal) == 0
-        row_groups = np.arange(len(x)) if groups is None else np.asarray(groups)
+        clean = check_binary_labels(is_abnormal, len(x)) == 0
+        row_groups = check_groups(groups, len(x))
         self.clean_groups_ = row_groups[clean]  # for held_out_scores (not saved with the arrays)
         self.penultimate_width_ = width
         self.penultimate_ = embedding_arrays(x[clean, -width:]) if width else {}
@@ -681,7 +683,10 @@ class EnsembleDetector(Detector):
         group it was not fitted on get :meth:`score`; its own clean fitting rows get the score
         a detector fitted without them would about give them, for calibration. The margin part
         reads every clean margin (a fitting row's own moves its CDF by at most 1/n). Also,
-        per row, the fewest trees that voted of any forest (its score is NaN where that is 0).
+        per row, the fewest trees that voted of any forest. Where that is 0 some forest had no
+        tree to vote: the score is NaN where a whole forest set (pooled or a family's: a general
+        forest and its class forest) had none, else it reads the set's other forest. Filter on
+        the count, not on NaN.
         Needs the detector as fitted, not loaded from arrays."""
         check_fitted(self)
         if not hasattr(self, "clean_groups_"):

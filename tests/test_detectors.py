@@ -97,8 +97,17 @@ def test_held_out_votes_count_only_trees_that_never_drew_a_rows_group() -> None:
     x, y, _ = _separated(100, 5, shift=0.8)
     groups = np.r_[np.arange(100), np.arange(100)]  # each abnormal row is a clean row's twin
     forest = RandomForestClassifier(n_estimators=30, random_state=2).fit(x, y)
-    # The fitting rows themselves: their grouped out-of-bag votes.
+    # The fitting rows themselves: their grouped out-of-bag votes, counted tree by tree.
     fraction, counts = held_out_votes(forest, x, groups, groups)
+    drew = np.array([np.isin(groups, groups[s]) for s in forest.estimators_samples_])  # [T, N]
+    votes = np.array([tree.predict(x) for tree in forest.estimators_])  # [T, N]
+    expected_counts = (~drew).sum(axis=0)
+    with np.errstate(invalid="ignore"):
+        expected = np.where(~drew, votes, 0).sum(axis=0) / expected_counts
+    np.testing.assert_array_equal(counts, expected_counts)
+    np.testing.assert_allclose(fraction, expected, equal_nan=True)
+    assert expected_counts.max() < 30 and (expected_counts > 0).mean() > 0.9  # some, not all
+    assert np.isnan(fraction[expected_counts == 0]).all()  # no tree left: no vote
     np.testing.assert_array_equal(fraction, oob_vote_fraction(forest, x, groups))
     # New rows of a group the forest never saw: every tree votes, as vote_fraction.
     fresh, _, _ = _separated(50, 6)
@@ -260,6 +269,11 @@ def test_detectors_refuse_another_width_and_unfitted_use() -> None:
         TransportDetector().score(x, predicted)
     with pytest.raises(InputError, match="both clean"):
         TransportDetector().fit(x, np.zeros(len(x), int), predicted)
+    # groups of another length: refused at fit, even where the decision never reads them
+    with pytest.raises(InputError, match="groups must have shape"):
+        TransportDetector(n_estimators=3, decision="majority").fit(
+            x, y, predicted, np.arange(len(x) + 5)
+        )
 
 
 @pytest.mark.parametrize("feature", ["transport_cost", "all"])

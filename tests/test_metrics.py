@@ -145,6 +145,8 @@ def test_rate_interval_is_the_exact_two_sided_clopper_pearson_interval() -> None
     for flagged, n in ((5, 0), (-1, 10), (11, 10)):
         with pytest.raises(InputError):
             rate_interval(flagged, n)
+    with pytest.raises(InputError, match="confidence"):
+        rate_interval(5, 10, confidence=1.0)
 
 
 def test_a_threshold_at_tied_top_scores_is_flagged_saturated_with_a_warning() -> None:

@@ -132,6 +132,32 @@ def test_distances_and_their_arrays_must_agree() -> None:
     assert NoveltyDetector.from_arrays(old_arrays, old_params).distance == "class-mean"
 
 
+def test_nearest_distance_never_reads_a_point_of_the_querys_own_group() -> None:
+    """Against brute force: groups of several points, queries over more than one 1,024-row block."""
+    from detector.nearest import nearest_distance
+
+    rng = np.random.default_rng(5)
+    points = rng.normal(size=(300, 4)).astype(np.float32)
+    queries = np.concatenate([points, rng.normal(size=(1900, 4)).astype(np.float32)])
+    point_groups = rng.integers(0, 60, len(points))  # about 5 points per group
+    query_groups = np.concatenate([point_groups, rng.integers(0, 90, 1900)])  # some groups new
+    squared = ((queries[:, None, :].astype(np.float64) - points[None]) ** 2).sum(axis=2)
+    squared[query_groups[:, None] == point_groups[None, :]] = np.inf
+    got = nearest_distance(
+        torch.from_numpy(queries),
+        torch.from_numpy(points),
+        groups=(torch.from_numpy(query_groups), torch.from_numpy(point_groups)),
+    )
+    np.testing.assert_allclose(got.numpy(), squared.min(axis=1), rtol=1e-4)
+    assert (got[:300] > 0).all()  # a fitting point never finds itself, nor its group's others
+    with pytest.raises(InputError, match="one id per query row"):
+        nearest_distance(
+            torch.from_numpy(queries),
+            torch.from_numpy(points),
+            groups=(torch.from_numpy(query_groups[:10]), torch.from_numpy(point_groups)),
+        )
+
+
 def test_bad_fits_and_artefacts_are_refused() -> None:
     x, y = _clean(n=5)
     with pytest.raises(InputError, match="at least 6 clean samples"):
@@ -173,6 +199,11 @@ def test_ensemble_flags_what_the_forests_flag_or_the_far_tail_of_clean() -> None
     )
     with pytest.raises(InputError, match="tail must be in"):
         EnsembleDetector(tail=1.5).fit(features, is_abnormal, labels)
+    # Labels or groups of another length are refused by name, before anything is fitted.
+    with pytest.raises(InputError, match="is_abnormal must have shape"):
+        EnsembleDetector(n_estimators=5).fit(features, is_abnormal[:-1], labels)
+    with pytest.raises(InputError, match="groups must have shape"):
+        EnsembleDetector(n_estimators=5).fit(features, is_abnormal, labels, groups=labels[:-1])
 
 
 def _assert_scores_travel(
