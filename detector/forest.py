@@ -323,8 +323,7 @@ class TransportDetector(ForestDecision, Detector):
     ) -> np.ndarray:
         """The score (the OR) of the fitting rows from (grouped) out-of-bag votes; NaN only
         where both forests' trees all drew a row or its group."""
-        rows = np.arange(len(x)) if groups is None else np.asarray(groups)
-        return self.held_out_scores(x, predicted, rows)[0]
+        return self.held_out_scores(x, predicted, check_groups(groups, len(x)))[0]
 
     def held_out_scores(
         self, features: np.ndarray, predicted_labels: np.ndarray, groups: np.ndarray
@@ -339,7 +338,10 @@ class TransportDetector(ForestDecision, Detector):
         if self.forest_ is None or not hasattr(self, "fitted_groups_"):
             raise InputError("held-out scores need the detector as fitted, not loaded from arrays")
         x = check_features(features, self.n_features_in_)
-        predicted, groups = check_class_labels(predicted_labels, len(x)), np.asarray(groups)
+        predicted, groups = (
+            check_class_labels(predicted_labels, len(x)),
+            check_groups(groups, len(x)),
+        )
         general, counts = held_out_votes(self.forest_, x, groups, self.fitted_groups_)
         own, own_counts = general.copy(), counts.copy()
         for c, forest in self.class_forests_.items():

@@ -693,7 +693,7 @@ class EnsembleDetector(Detector):
             raise InputError("held-out scores need the detector as fitted, not loaded from arrays")
         features = check_features(features, self.n_features_in_)
         predicted = check_class_labels(predicted_labels, len(features))
-        groups = np.asarray(groups)
+        groups = check_groups(groups, len(features))
         width = self.penultimate_width_
         x = np.asarray(features[:, :-width] if width else features, np.float32)
         forests, fewest = self.forests_.held_out_scores(x, predicted, groups)

@@ -772,8 +772,8 @@ def _calibration_note(
         f"trained on {trained}, flagging a score above {at}, calibrated for {target_text} on "
         f"{_calibration_images(info, calibration)}{achieved_text}. "
         f"Rates are measured by the Guard (the server's scoring path) on the held-out test side "
-        f"(split seed {info.get('split_seed', '?')}, one run); n: images per set, and each rate's two-sided "
-        f"{100 * INTERVAL_CONFIDENCE:g}% Clopper-Pearson interval on them. The last "
+        f"(split seed {info.get('split_seed', '?')}, one run); n: images per set, and each "
+        f"rate's two-sided {100 * INTERVAL_CONFIDENCE:g}% Clopper-Pearson interval on them. The last "
         "column is the seen protocol's rate for the same network and detector trained on that "
         "attack alone (mean ± std over its runs)."
         + _clean_split_note(info.get("heldout", {}))
