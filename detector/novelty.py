@@ -483,7 +483,7 @@ class EnsembleDetector(Detector):
         self.random_state = random_state
         self.n_jobs = n_jobs
 
-    def _parts(self) -> tuple[TransportDetector, NoveltyDetector]:
+    def _unfitted_parts(self) -> tuple[TransportDetector, NoveltyDetector]:
         shared = {k: v for k, v in self.get_params().items() if k not in _ENSEMBLE_ONLY}
         return TransportDetector(**shared), NoveltyDetector(
             min_class_samples=self.min_class_samples, distance=self.novelty_distance
@@ -492,7 +492,7 @@ class EnsembleDetector(Detector):
     def forest_params(self) -> dict[str, Any]:
         """The parameters of its pooled forests (a :class:`TransportDetector` with these
         parameters, fitted on the same rows, fits the same forests)."""
-        return self._parts()[0].get_params()
+        return self._unfitted_parts()[0].get_params()
 
     def fit(
         self,
@@ -536,7 +536,7 @@ class EnsembleDetector(Detector):
         features = x[:, :-width] if width else x
         if not self.family_clean_ratio > 0:
             raise InputError(f"family_clean_ratio must be > 0, got {self.family_clean_ratio}")
-        pooled, novelty = self._parts()
+        pooled, novelty = self._unfitted_parts()
         if forests is not None and forests.get_params() != pooled.get_params():
             raise InputError("the forests to reuse were fitted with other parameters")
         if forests is None:
@@ -652,26 +652,7 @@ class EnsembleDetector(Detector):
         ``features``: as fitted (with the penultimate part, its embedding in the last columns)."""
         check_fitted(self)
         features = check_features(features, self.n_features_in_)
-        width = self.penultimate_width_
-        embedding = self._embedding_ramp(features[:, -width:]) if width else None
-        features = features[:, :-width] if width else features
-        # float32 arithmetic, as the torch form computes it
-        u = self.novelty_.score(features, predicted_labels).astype(np.float32)
-        ramp = tail_ramp(torch.from_numpy(u), self.tail).numpy()
-        score = np.maximum(self.forests_.score(features, predicted_labels).astype(np.float32), ramp)
-        for family in self.families_:
-            score = np.maximum(score, family.score(features, predicted_labels).astype(np.float32))
-        margin = self._margin_scorer()
-        if margin is not None:
-            with torch.inference_mode():
-                u = margin(
-                    torch.from_numpy(np.asarray(features, np.float32)),
-                    torch.from_numpy(check_class_labels(predicted_labels, len(score))),
-                )
-                score = np.maximum(score, tail_ramp(u, self.margin_tail).numpy())
-        if embedding is not None:
-            score = np.maximum(score, embedding)
-        return score.astype(np.float64)
+        return self._combine(features, check_class_labels(predicted_labels, len(features)))[0]
 
     def held_out_scores(
         self, features: np.ndarray, predicted_labels: np.ndarray, groups: np.ndarray
@@ -693,31 +674,57 @@ class EnsembleDetector(Detector):
             raise InputError("held-out scores need the detector as fitted, not loaded from arrays")
         features = check_features(features, self.n_features_in_)
         predicted = check_class_labels(predicted_labels, len(features))
-        groups = check_groups(groups, len(features))
+        scores, fewest = self._combine(features, predicted, check_groups(groups, len(features)))
+        assert fewest is not None  # with groups, _combine counts the trees
+        return scores, fewest
+
+    def _combine(
+        self, features: np.ndarray, predicted: np.ndarray, groups: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The max of the parts' scores, in float32 arithmetic as :class:`EnsembleScorer`
+        computes it: as served, or with ``groups`` by what never saw each row's group (then
+        also the fewest trees that voted, per row; else None). Inputs already checked."""
         width = self.penultimate_width_
         x = np.asarray(features[:, :-width] if width else features, np.float32)
-        forests, fewest = self.forests_.held_out_scores(x, predicted, groups)
-        score = forests.astype(np.float32)
-        for family in self.families_:
-            part, trees = family.held_out_scores(x, predicted, groups)
-            score, fewest = np.maximum(score, part.astype(np.float32)), np.minimum(fewest, trees)
-        ids = np.unique(np.concatenate([groups, self.clean_groups_]), return_inverse=True)[1]
-        pair = (torch.from_numpy(ids[: len(groups)]), torch.from_numpy(ids[len(groups) :]))
+        forests = [self.forests_, *self.families_]
+        fewest = None
+        if groups is None:
+            votes = [forest.score(x, predicted) for forest in forests]
+        else:
+            held = [forest.held_out_scores(x, predicted, groups) for forest in forests]
+            votes = [part for part, _ in held]
+            fewest = np.minimum.reduce([trees for _, trees in held])
+        score = np.maximum.reduce([np.asarray(v).astype(np.float32) for v in votes])
+        for ramp in self._ramps(x, features[:, x.shape[1] :], predicted, groups):
+            score = np.maximum(score, ramp)
+        return score.astype(np.float64), fewest
+
+    def _ramps(
+        self,
+        x: np.ndarray,
+        embedding: np.ndarray,
+        predicted: np.ndarray,
+        groups: np.ndarray | None,
+    ) -> list[np.ndarray]:
+        """The clean-only parts' tail ramps (novelty, margin, penultimate when fitted); with
+        ``groups``, a clean fitting row of a row's own group is never its nearest."""
+        pair = None
+        if groups is not None:
+            ids = np.unique(np.concatenate([groups, self.clean_groups_]), return_inverse=True)[1]
+            pair = (torch.from_numpy(ids[: len(groups)]), torch.from_numpy(ids[len(groups) :]))
         with torch.inference_mode():
             rows, labels = torch.from_numpy(x), torch.from_numpy(predicted)
             novelty = self.novelty_.to_torch()
             u = clean_cdf(novelty.reference, novelty.distance(rows, labels, groups=pair))
-            parts = [tail_ramp(u, self.tail)]
+            ramps = [tail_ramp(u, self.tail)]
             margin = self._margin_scorer()
             if margin is not None:
-                parts.append(tail_ramp(margin(rows, labels), self.margin_tail))
-            if width:
-                embedding = torch.from_numpy(np.asarray(features[:, -width:], np.float32))
-                u = self._embedding_scorer()(embedding, groups=pair)  # type: ignore[misc]
-                parts.append(tail_ramp(u, self.penultimate_tail))
-        for ramp in parts:
-            score = np.maximum(score, ramp.numpy())
-        return score.astype(np.float64), fewest
+                ramps.append(tail_ramp(margin(rows, labels), self.margin_tail))
+            scorer = self._embedding_scorer()
+            if scorer is not None:
+                u = scorer(torch.from_numpy(np.asarray(embedding, np.float32)), groups=pair)
+                ramps.append(tail_ramp(u, self.penultimate_tail))
+        return [ramp.numpy() for ramp in ramps]
 
     def _margin_scorer(self) -> MarginScorer | None:
         if self.margin_column_ is None:
@@ -728,11 +735,6 @@ class EnsembleDetector(Detector):
         if not self.penultimate_width_:
             return None
         return EmbeddingScorer(self.penultimate_, self.penultimate_width_)
-
-    def _embedding_ramp(self, embedding: np.ndarray) -> np.ndarray:
-        with torch.inference_mode():
-            u = self._embedding_scorer()(torch.from_numpy(embedding))  # type: ignore[misc]
-            return tail_ramp(u, self.penultimate_tail).numpy()
 
     def serving_rows(self, samples: SampleSet) -> np.ndarray:
         """The samples' features, followed by their penultimate embedding with that part."""
@@ -803,7 +805,7 @@ class EnsembleDetector(Detector):
         if width:
             check_embedding_arrays(detector.penultimate_, width)
         n_features -= width  # the trajectory features the other parts read
-        forests, _ = detector._parts()
+        forests, _ = detector._unfitted_parts()
         forest_params = {**forests.get_params(), "n_features_in": n_features}
         detector.forests_ = TransportDetector.from_arrays(part("forest."), forest_params)
         detector.family_names_ = names
