@@ -67,6 +67,7 @@ class DetectorSpec(BaseModel):
     squeeze: bool = False
     second: bool = False
     penultimate: int = Field(default=0, ge=0)  # the penultimate embedding's width (0: none)
+    nss: bool = False  # the input image's natural-scene statistics
 
     @property
     def feature_spec(self) -> FeatureSpec:

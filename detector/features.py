@@ -12,8 +12,9 @@ embeddings x_{m+1} (each block's output; seed 003 §5.3.1 allows embeddings as w
 the line-shape score of the trajectory (seed 001, eq. 43-44); what enters the network (the input
 image itself) and where the trajectory starts (x_0, the first block's input): for each, its msq and
 cos and how its energy spreads over the image (:func:`spatial_statistics`); where it ends for
-the classifier (head: top-1 minus top-2 logit margin, max softmax probability, log-sum-exp); and
-the penultimate embedding itself (the input of the network's last linear layer, scaled to unit
+the classifier (head: top-1 minus top-2 logit margin, max softmax probability, log-sum-exp); the
+input image's natural-scene statistics (the NSS baseline's 36, :mod:`detector.scene_statistics`);
+and the penultimate embedding itself (the input of the network's last linear layer, scaled to unit
 length: the representation deep nearest-neighbour OOD detection compares, Sun et al. 2022), the
 last columns when asked for.
 """
@@ -32,6 +33,7 @@ from tqdm import tqdm
 from detector.errors import ConfigError, InputError
 from detector.networks import resolve_device
 from detector.opinion import OPINION_NAMES, second_opinion
+from detector.scene_statistics import scene_statistic_names, scene_statistics
 from detector.squeeze import SQUEEZE_NAMES, squeeze_distances
 from detector.taps import ResidualTaps, Tap, Taps, default_tap_names
 
@@ -44,6 +46,7 @@ SPATIAL_NAMES = (
 )  # fmt: skip
 IMAGE_NAMES = tuple(f"image_{name}" for name in SPATIAL_NAMES)
 START_NAMES = tuple(f"start_{name}" for name in SPATIAL_NAMES)
+NSS_NAMES = tuple(f"nss_{name}" for name in scene_statistic_names())
 PENULTIMATE_PREFIX = "pen_"
 ENERGY_QUANTILES = (0.05, 0.25, 0.5)
 SPREAD_QUANTILES = (0.1, 0.25, 0.5)
@@ -68,10 +71,11 @@ def feature_names(
     squeeze: bool = False,
     second: bool = False,
     penultimate: int = 0,
+    nss: bool = False,
 ) -> list[str]:
     """Column names, block-major: msq_0, cos_0, msq_1, cos_1, ..., cos_{m}_dir{j}; then with
-    ``embeddings`` the same named emb_*; then line_shape; then the image_*, start_*, head,
-    squeeze_* and second_* columns; last, the ``penultimate`` embedding's pen_0, pen_1, ..."""
+    ``embeddings`` the same named emb_*; then line_shape; then the image_*, nss_*, start_*,
+    head, squeeze_* and second_* columns; last, the ``penultimate`` embedding's pen_0, ..."""
     names = _group_names("", n_blocks, extra_directions)
     if embeddings:
         names += _group_names("emb_", n_blocks, extra_directions)
@@ -79,6 +83,8 @@ def feature_names(
         names.append(LINE_SHAPE)
     if image:
         names += IMAGE_NAMES
+    if nss:
+        names += NSS_NAMES
     if start:
         names += START_NAMES
     if head:
@@ -99,8 +105,10 @@ class FeatureSpec:
     :func:`spatial_statistics`, the head's (logit margin, max probability, log-sum-exp), how
     far the softmax moves under :mod:`detector.squeeze`'s squeezers (a forward pass each), a
     second network's opinion of the prediction (:mod:`detector.opinion`; the extractor needs
-    that network), and, last, the ``penultimate`` embedding of that width (0: none; the
-    extractor checks it against the network's last linear layer)."""
+    that network), the input image's natural-scene statistics (``nss``:
+    :mod:`detector.scene_statistics`, what the NSS baseline reads), and, last, the
+    ``penultimate`` embedding of that width (0: none; the extractor checks it against the
+    network's last linear layer)."""
 
     taps: tuple[str, ...] | None = None
     extra_directions: int = 0
@@ -112,6 +120,7 @@ class FeatureSpec:
     squeeze: bool = False
     second: bool = False
     penultimate: int = 0
+    nss: bool = False
 
     def __post_init__(self) -> None:
         if self.taps is not None and not isinstance(self.taps, tuple):
@@ -138,16 +147,18 @@ class FeatureSpec:
             squeeze=self.squeeze,
             second=self.second,
             penultimate=self.penultimate,
+            nss=self.nss,
         )
 
     def label(self) -> str:
-        """'residues', then '+emb', '+dir4', '+line', '+image', '+start', '+head', '+squeeze',
-        '+second', '+pen'."""
+        """'residues', then '+emb', '+dir4', '+line', '+image', '+nss', '+start', '+head',
+        '+squeeze', '+second', '+pen'."""
         parts = ["residues"]
         parts += ["emb"] if self.embeddings else []
         parts += [f"dir{self.extra_directions}"] if self.extra_directions else []
         parts += ["line"] if self.line_shape else []
         parts += ["image"] if self.image else []
+        parts += ["nss"] if self.nss else []
         parts += ["start"] if self.start else []
         parts += ["head"] if self.head else []
         parts += ["squeeze"] if self.squeeze else []
@@ -244,6 +255,9 @@ class TransportFeatureExtractor:
         self._image = Taps(
             model, [Tap("", "input")] if self.spec.image else [], transform=spatial_statistics
         )
+        self._nss = Taps(
+            model, [Tap("", "input")] if self.spec.nss else [], transform=self._scene_statistics
+        )
         # Squeeze: the pass's input and logits, kept for the squeezed pass features() runs.
         self._squeeze_source = Taps(
             model,
@@ -300,6 +314,7 @@ class TransportFeatureExtractor:
             (self._embedding_taps, self.spec.embeddings),
             (self._head, self.spec.head),
             (self._image, self.spec.image),
+            (self._nss, self.spec.nss),
             (self._start, self.spec.start),
             (self._squeeze_source, self.spec.squeeze),
             (self._opinion_source, self.spec.second),
@@ -321,12 +336,16 @@ class TransportFeatureExtractor:
             self._taps,
             self._embedding_taps,
             self._image,
+            self._nss,
             self._start,
             self._head,
             self._squeeze_source,
             self._opinion_source,
             self._penultimate,
         )
+
+    def _scene_statistics(self, x: torch.Tensor) -> torch.Tensor:
+        return scene_statistics(x, self.value_range)
 
     def _keep(self, value: torch.Tensor) -> torch.Tensor:
         self._squeezed = None  # a new pass: its squeeze columns are not computed yet
@@ -424,6 +443,8 @@ class TransportFeatureExtractor:
             parts.append(self.line_shape_score().unsqueeze(1))
         if self.spec.image:
             parts.append(self._image.outputs[0])
+        if self.spec.nss:
+            parts.append(self._nss.outputs[0])
         if self.spec.start:
             parts.append(self._start.outputs[0])
         if self.spec.head:

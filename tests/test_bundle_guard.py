@@ -204,6 +204,7 @@ ALL_GROUPS = FeatureSpec(
     extra_directions=1,
     line_shape=True,
     squeeze=True,
+    nss=True,
 )
 
 

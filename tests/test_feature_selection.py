@@ -67,11 +67,11 @@ def test_columns_of_a_candidate_are_found_by_name() -> None:
     union = union_spec(
         [
             FeatureSpec(embeddings=True, squeeze=True),
-            FeatureSpec(head=True, image=True, extra_directions=2),
+            FeatureSpec(head=True, image=True, extra_directions=2, nss=True),
         ]
     )
     assert union == FeatureSpec(
-        embeddings=True, head=True, image=True, extra_directions=2, squeeze=True
+        embeddings=True, head=True, image=True, extra_directions=2, squeeze=True, nss=True
     )
     names = union.names(3)
     columns = spec_columns(FeatureSpec(head=True), names)

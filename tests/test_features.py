@@ -21,6 +21,7 @@ from detector.features import (
     spatial_statistics,
 )
 from detector.opinion import OPINION_NAMES
+from detector.scene_statistics import scene_statistics
 from detector.taps import Tap, Taps
 
 
@@ -119,6 +120,35 @@ def test_image_group_is_the_spatial_statistics_of_the_network_input(
     )
     # The raw image, not the normalized stem input: msq is the image's own mean square.
     np.testing.assert_allclose(features[:, first], x.square().flatten(1).mean(1), rtol=1e-5)
+
+
+def test_nss_group_is_the_scene_statistics_of_the_image_in_the_networks_range(
+    tiny_network: torch.nn.Module,
+) -> None:
+    x = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(6))
+    x[:, :, :8] = 0.0
+    spec = FeatureSpec(image=True, nss=True, head=True)
+    with torch.no_grad(), TransportFeatureExtractor(tiny_network, spec) as fx:
+        tiny_network(x)
+        features = fx.features()
+    names = fx.feature_names
+    assert names == spec.names(2) and spec.label() == "residues+image+nss+head"
+    assert names.index("image_spread_q50") + 1 == names.index("nss_s0_ggd_shape")
+    assert names.index("nss_s1_d2_right_var") + 1 == names.index("head_margin")
+    first = names.index("nss_s0_ggd_shape")
+    np.testing.assert_allclose(
+        features[:, first : first + 36], scene_statistics(x), rtol=1e-6, atol=1e-7
+    )
+    # The same images as a network reading [-1, 1] sees them: the same statistics.
+    with (
+        torch.no_grad(),
+        TransportFeatureExtractor(tiny_network, spec, value_range=(-1.0, 1.0)) as fx,
+    ):
+        tiny_network(x * 2 - 1)
+        centred = fx.features()
+    np.testing.assert_allclose(
+        centred[:, first : first + 36], features[:, first : first + 36], rtol=1e-4, atol=1e-5
+    )
 
 
 def test_spatial_statistics_known_answers() -> None:

@@ -44,6 +44,7 @@ def union_spec(candidates: Sequence[FeatureSpec]) -> FeatureSpec:
         image=any(c.image for c in candidates),
         squeeze=any(c.squeeze for c in candidates),
         second=any(c.second for c in candidates),
+        nss=any(c.nss for c in candidates),
     )
 
 

@@ -24,7 +24,8 @@ GROUPS = (
     "N more ±1 directions; line: the line-shape score; image / start: how the energy of the input "
     "image / of x_0 spreads; head: logit margin, max probability, log-sum-exp; squeeze: softmax "
     "shift under five squeezers; second: the run's other network's opinion of the prediction "
-    "(the bundle then carries that network)."
+    "(the bundle then carries that network); nss: the input image's natural-scene statistics "
+    "(the NSS baseline's 36)."
 )
 
 

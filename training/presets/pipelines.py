@@ -30,6 +30,7 @@ class FeatureOptions(BaseModel):
     image: bool = False
     squeeze: bool = False
     second: bool = False  # the run's other network's opinion (detector.opinion)
+    nss: bool = False  # the input image's natural-scene statistics (detector.scene_statistics)
 
     def spec(self) -> FeatureSpec:
         return FeatureSpec(**self.model_dump())
