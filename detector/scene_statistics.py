@@ -5,7 +5,8 @@ with a 7x7 Gaussian window, sigma 7/6, edges replicated), a generalized Gaussian
 (shape, variance) and asymmetric generalized Gaussians fitted to their four pairwise products
 (horizontal, vertical, two diagonals: shape, mean, left and right variance): 18 numbers per
 scale, at 2 scales (the image and its 2x2 average-pooled half) = 36, by moment matching (the
-shape read off a tabulated moment ratio). Computed in float64 on the images' device, returned as
+shape read off a tabulated moment ratio, linearly interpolated, so the statistics have a
+gradient wherever they are finite). Computed in float64 on the images' device, returned as
 float32. The NSS baseline (:mod:`detector.nss`) and the trajectory features' ``nss`` group
 (:mod:`detector.features`) both read these.
 """
@@ -56,6 +57,11 @@ def shape_from_ratio(ratio: torch.Tensor) -> torch.Tensor:
     return fp[i - 1] + (x - x0) / (x1 - x0) * (fp[i] - fp[i - 1])
 
 
+def _root(x: torch.Tensor) -> torch.Tensor:
+    """sqrt of x >= 0, floored at sqrt(1e-12): a flat patch's gradient stays finite."""
+    return torch.sqrt(x.clamp_min(_TINY))
+
+
 def _blur(x: torch.Tensor) -> torch.Tensor:
     """Gaussian blur of [N, H, W] (separable, edges replicated, as scipy's mode='nearest')."""
     offsets = torch.arange(-RADIUS, RADIUS + 1, dtype=x.dtype, device=x.device)
@@ -69,7 +75,7 @@ def _blur(x: torch.Tensor) -> torch.Tensor:
 def mscn(gray: torch.Tensor, c: float = 1.0) -> torch.Tensor:
     """MSCN coefficients of gray images [N, H, W] on a 0..255 scale."""
     mu = _blur(gray)
-    sigma = torch.sqrt(torch.abs(_blur(gray * gray) - mu * mu))
+    sigma = _root(torch.abs(_blur(gray * gray) - mu * mu))
     return (gray - mu) / (sigma + c)
 
 
@@ -86,7 +92,7 @@ def aggd_fit(x: torch.Tensor) -> list[torch.Tensor]:
     squares = x.square()
     left_var = (squares * negative).sum(1) / negative.sum(1).clamp_min(1)
     right_var = (squares * positive).sum(1) / positive.sum(1).clamp_min(1)
-    left, right = left_var.sqrt(), right_var.sqrt()
+    left, right = _root(left_var), _root(right_var)
     gamma = left / right.clamp_min(_TINY)
     r_hat = x.abs().mean(1).square() / squares.mean(1).clamp_min(_TINY)
     big_r = r_hat * (gamma**3 + 1) * (gamma + 1) / ((gamma**2 + 1) ** 2).clamp_min(_TINY)
@@ -122,7 +128,7 @@ def scene_statistics(
             "scene statistics need [N, C, H, W] images with 1 channel or 3 or more, "
             f"at least 2x2, got shape {tuple(images.shape)}"
         )
-    x = images.detach().to(torch.float64)
+    x = images.to(torch.float64)  # differentiable: an adaptive attacker's gradient flows
     luma = x.new_tensor(LUMA)
     gray = x[:, 0] if x.shape[1] == 1 else torch.einsum("nchw,c->nhw", x[:, :3], luma)
     low, high = value_range

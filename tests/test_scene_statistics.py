@@ -105,3 +105,14 @@ def test_flat_images_give_finite_statistics_and_bad_shapes_are_refused() -> None
     for shape in [(2, 2, 28, 28), (2, 1, 1, 28), (2, 28, 28)]:
         with pytest.raises(InputError, match="scene statistics need"):
             scene_statistics(torch.zeros(shape))
+
+
+def test_an_attacker_gets_a_gradient_through_the_statistics() -> None:
+    """No gradient masking: the group must not hide the image from an adaptive attack."""
+    x = torch.rand(3, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    x[1, :, :8] = 0.0  # a flat band, as Fashion-MNIST's background
+    x[2] = 0.5  # a flat image
+    x.requires_grad_(True)
+    scene_statistics(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert (x.grad[:2].abs() > 0).float().mean() > 0.9
