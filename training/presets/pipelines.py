@@ -42,8 +42,10 @@ class FeatureOptions(BaseModel):
 # L-inf perturbation shows before the stem smooths it); two of those also with how far the softmax
 # moves when the input is squeezed (five more forward passes, detector.squeeze); the last two also
 # with the run's other network's opinion of the prediction (one more forward pass of that network,
-# detector.opinion: a minimal perturbation made for one network rarely fools the other). The
-# pipeline picks one on the training side.
+# detector.opinion: a minimal perturbation made for one network rarely fools the other); and two
+# with the input image's natural-scene statistics (the NSS baseline's 36, detector.scene_statistics:
+# a small L-inf step changes the image's local contrast statistics). The pipeline picks one on the
+# training side.
 FEATURE_CANDIDATES = [
     FeatureOptions(),
     FeatureOptions(head=True),
@@ -60,6 +62,8 @@ FEATURE_CANDIDATES = [
     FeatureOptions(embeddings=True, image=True, start=True, head=True, squeeze=True),
     FeatureOptions(image=True, start=True, head=True, second=True),
     FeatureOptions(image=True, start=True, head=True, squeeze=True, second=True),
+    FeatureOptions(image=True, nss=True, start=True, head=True),
+    FeatureOptions(image=True, nss=True, start=True, head=True, squeeze=True, second=True),
 ]
 
 
