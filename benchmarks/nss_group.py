@@ -1,0 +1,141 @@
+"""Would the transport forests gain from the image's natural-scene statistics as extra columns?
+
+    .venv/bin/python benchmarks/nss_group.py runs/quick
+
+On the L-inf rows at eps=0.03 the transport detector (TR) and the NSS baseline (NS) tie
+(session 44: LAP FGM eps=0.03, TR - NS = -0.16 points, p 0.53). NS reads the image's MSCN
+statistics (:mod:`detector.nss`), TR the trajectory. This measures, on the deploy network's
+seed-0 TRAINING side only (its test side and calibration slice are never read), whether TR's
+forests fitted on the trajectory features plus NS's 36 columns beat both. The training side is
+cut into a fit part and a validation quarter ``CUTS`` times at random (as
+``ensemble_parts.validation_cut`` cuts it once); per cut and seen attack, each detector is fitted
+on the fit part's attacked images and their clean sources and scored at its own decision on
+the validation part's pairs (the seen protocol's balanced accuracy). Also the unseen analog:
+fitted on FGM eps=0.1, scored on every other attack's validation pairs. Chooses nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from detector.base import DEFAULT_VOTE_THRESHOLD, Detector
+from detector.nss import NSS_KEY, NSSDetector
+from detector.registry import get_detector
+from training.experiments import Samples, Split, on_all_cores
+from training.pipeline import add_precomputed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ensemble_parts import UNSEEN_TRAIN, masker, open_run, run_arguments, sources  # noqa: E402
+
+CUTS = 3
+VARIANTS = ("TR", "TR+NSS", "NS")
+
+
+def with_nss(samples: Samples) -> Samples:
+    """The samples with the NSS statistics appended to their trajectory features."""
+    names = samples.feature_names
+    return replace(
+        samples,
+        features=np.concatenate([samples.features, samples.extra[NSS_KEY]], axis=1),
+        feature_names=None if names is None else (*names, *(f"nss_{i}" for i in range(36))),
+    )
+
+
+def cuts(universe: int, test_fraction: float) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``CUTS`` random (fit, validation) masks of the seed-0 split's training side."""
+    split = Split(0, test_fraction, universe)
+    side = np.flatnonzero(~split.is_test & ~split.is_calibration)
+    masks = []
+    for cut in range(CUTS):
+        order = np.random.default_rng(cut).permutation(side)
+        is_val = np.zeros(universe, bool)
+        is_val[order[: int(round(len(order) * 0.25))]] = True
+        masks.append((~split.is_test & ~split.is_calibration & ~is_val, is_val))
+    return masks
+
+
+def accuracy(detector: Detector, clean: Samples, attacked: Samples) -> float:
+    """Balanced accuracy (%) at the detector's own decision (0.5 when it has none)."""
+    threshold = detector.decision_threshold()
+    threshold = DEFAULT_VOTE_THRESHOLD if threshold is None else threshold
+    fpr = np.mean(detector.score_samples(clean) > threshold)
+    tpr = np.mean(detector.score_samples(attacked) > threshold)
+    return float(50 * (tpr + 1 - fpr))
+
+
+def fitted(variant: str, clean: Samples, attacked: Samples) -> Detector:
+    detector = on_all_cores(get_detector("nss" if variant == "NS" else "transport"))
+    if variant == "TR+NSS":
+        return detector.fit_samples(with_nss(clean), with_nss(attacked))
+    return detector.fit_samples(clean, attacked)
+
+
+def scored(variant: str, detector: Detector, clean: Samples, attacked: Samples) -> float:
+    if variant == "TR+NSS":
+        return accuracy(detector, with_nss(clean), with_nss(attacked))
+    return accuracy(detector, clean, attacked)
+
+
+def main() -> None:
+    run, name = open_run(run_arguments(__doc__.splitlines()[0]).parse_args())
+    data = run.samples(name)
+    add_precomputed(run, name, NSSDetector(), [data.clean, *data.attacks.values()])
+    universe = int(data.clean.indices.max()) + 1
+    seen: dict[tuple[str, str], list[float]] = {}
+    unseen: dict[tuple[str, str], list[float]] = {}
+    for cut, (is_fit, is_val) in enumerate(cuts(universe, run.config.test_fraction)):
+        fit, val = masker(is_fit), masker(is_val)
+        pairs = {k: (sources(val(data.clean), val(a)), val(a)) for k, a in data.attacks.items()}
+        for key, attack in data.attacks.items():
+            attacked = fit(attack)
+            clean = sources(fit(data.clean), attacked)
+            for variant in VARIANTS:
+                detector = fitted(variant, clean, attacked)
+                seen.setdefault((key, variant), []).append(scored(variant, detector, *pairs[key]))
+                if key != UNSEEN_TRAIN:
+                    continue
+                for other, pair in pairs.items():
+                    if other != key:
+                        unseen.setdefault((other, variant), []).append(
+                            scored(variant, detector, *pair)
+                        )
+            print(f"cut {cut} {key}: " + ", ".join(f"{v} {seen[key, v][-1]:.2f}" for v in VARIANTS))
+    print_tables(name, list(data.attacks), seen, unseen)
+
+
+def print_tables(
+    name: str,
+    attacks: list[str],
+    seen: dict[tuple[str, str], list[float]],
+    unseen: dict[tuple[str, str], list[float]],
+) -> None:
+    print(f"\nSeen analog ({name}, {CUTS} cuts of the seed-0 training side), accuracy (%):\n")
+    print("| attack | " + " | ".join(VARIANTS) + " | TR+NSS - TR | TR+NSS - NS |")
+    print("|---|" + "---:|" * (len(VARIANTS) + 2))
+    for key in attacks:
+        means = {v: np.mean(seen[key, v]) for v in VARIANTS}
+        print(
+            f"| {key} | "
+            + " | ".join(f"{means[v]:.2f}" for v in VARIANTS)
+            + f" | {means['TR+NSS'] - means['TR']:+.2f} | {means['TR+NSS'] - means['NS']:+.2f} |"
+        )
+    others = [k for k in attacks if k != UNSEEN_TRAIN]
+    if not others:
+        return
+    print(f"\nUnseen analog (fitted on {UNSEEN_TRAIN}), accuracy (%):\n")
+    print("| attack | " + " | ".join(VARIANTS) + " |")
+    print("|---|" + "---:|" * len(VARIANTS))
+    for key in others:
+        print(f"| {key} | " + " | ".join(f"{np.mean(unseen[key, v]):.2f}" for v in VARIANTS) + " |")
+    means = [np.mean([np.mean(unseen[k, v]) for k in others]) for v in VARIANTS]
+    lowest = [min(np.mean(unseen[k, v]) for k in others) for v in VARIANTS]
+    print("| mean | " + " | ".join(f"{m:.2f}" for m in means) + " |")
+    print("| lowest | " + " | ".join(f"{m:.2f}" for m in lowest) + " |")
+
+
+if __name__ == "__main__":
+    main()
