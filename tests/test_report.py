@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from detector.errors import ArtefactError
-from training.report import format_cell, markdown_table, set_label, write_report
+from training.report import format_cell, markdown_table, set_label, timing_section, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BLOCKS = 4
@@ -213,6 +213,8 @@ def test_report_has_seed_layout_tables_and_valid_figures(tmp_path: Path) -> None
     assert "not run" in report  # e.g. VAN MH never ran
     assert "HSJ**: not run: not run on CPU presets; use a GPU preset" in report
     assert "6.0x faster" in report
+    slower = {"timing": {"feature_extraction_seconds": {"transport": 3.5, "mahalanobis": 2.1}}}
+    assert "1.7x slower than Mahalanobis" in "\n".join(timing_section(slower))
     assert "cw → digits" in report.replace("CW", "cw")
     legend = next(line for line in report.splitlines() if line.startswith("Detectors: "))
     assert "**TR** (transport): random forests on the trajectory features" in legend
