@@ -78,15 +78,16 @@ PROXY_IMAGES = 1000  # validation clean images each OOD proxy is made from
 
 
 def validation_cut(
-    run: PipelineRun, name: str, split_seed: int = 0
+    run: PipelineRun, name: str, split_seed: int = 0, *, cut: int = 0
 ) -> tuple[Split, np.ndarray, np.ndarray]:
     """The split of ``split_seed`` (the shipped detector's: 0), and the fit / validation masks
-    over the test-image index space."""
+    over the test-image index space (``cut``: the seed that draws the validation quarter; 0 is
+    the feature selection's)."""
     clean = run.samples(name).clean
     universe = int(clean.indices.max()) + 1
     split = Split(split_seed, run.config.test_fraction, universe)
     training_side = np.flatnonzero(~split.is_test & ~split.is_calibration)
-    order = np.random.default_rng(0).permutation(training_side)
+    order = np.random.default_rng(cut).permutation(training_side)
     is_validation = np.zeros(universe, bool)
     is_validation[order[: int(round(len(order) * 0.25))]] = True
     is_fit = ~split.is_test & ~split.is_calibration & ~is_validation

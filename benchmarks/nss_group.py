@@ -7,8 +7,8 @@ On the L-inf rows at eps=0.03 the transport detector (TR) and the NSS baseline (
 statistics (:mod:`detector.nss`), TR the trajectory. This measures, on the deploy network's
 seed-0 TRAINING side only (its test side and calibration slice are never read), whether TR's
 forests fitted on the trajectory features plus NS's 36 columns beat both. The training side is
-cut into a fit part and a validation quarter ``CUTS`` times at random (as
-``ensemble_parts.validation_cut`` cuts it once); per cut and seen attack, each detector is fitted
+cut into a fit part and a validation quarter ``CUTS`` times at random
+(``ensemble_parts.validation_cut``; cut 0 is the feature selection's); per cut and seen attack, each detector is fitted
 on the fit part's attacked images and their clean sources and scored at its own decision on
 the validation part's pairs (the seen protocol's balanced accuracy). Also the unseen analog:
 fitted on FGM eps=0.1, scored on every other attack's validation pairs. Chooses nothing.
@@ -23,13 +23,22 @@ from pathlib import Path
 import numpy as np
 
 from detector.base import DEFAULT_VOTE_THRESHOLD, Detector
+from detector.features import NSS_NAMES
 from detector.nss import NSS_KEY, NSSDetector
 from detector.registry import get_detector
-from training.experiments import Samples, Split, on_all_cores
+from training.experiments import Samples, on_all_cores
 from training.pipeline import add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ensemble_parts import UNSEEN_TRAIN, masker, open_run, run_arguments, sources  # noqa: E402
+from ensemble_parts import (  # noqa: E402
+    UNSEEN_TRAIN,
+    masker,
+    open_run,
+    run_arguments,
+    sources,
+    validation_cut,
+)
+from forest_decision import accuracy as balanced_accuracy  # noqa: E402
 
 CUTS = 3
 VARIANTS = ("TR", "TR+NSS", "NS")
@@ -41,53 +50,40 @@ def with_nss(samples: Samples) -> Samples:
     return replace(
         samples,
         features=np.concatenate([samples.features, samples.extra[NSS_KEY]], axis=1),
-        feature_names=None if names is None else (*names, *(f"nss_{i}" for i in range(36))),
+        feature_names=None if names is None else (*names, *NSS_NAMES),
     )
-
-
-def cuts(universe: int, test_fraction: float) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``CUTS`` random (fit, validation) masks of the seed-0 split's training side."""
-    split = Split(0, test_fraction, universe)
-    side = np.flatnonzero(~split.is_test & ~split.is_calibration)
-    masks = []
-    for cut in range(CUTS):
-        order = np.random.default_rng(cut).permutation(side)
-        is_val = np.zeros(universe, bool)
-        is_val[order[: int(round(len(order) * 0.25))]] = True
-        masks.append((~split.is_test & ~split.is_calibration & ~is_val, is_val))
-    return masks
 
 
 def accuracy(detector: Detector, clean: Samples, attacked: Samples) -> float:
     """Balanced accuracy (%) at the detector's own decision (0.5 when it has none)."""
     threshold = detector.decision_threshold()
     threshold = DEFAULT_VOTE_THRESHOLD if threshold is None else threshold
-    fpr = np.mean(detector.score_samples(clean) > threshold)
-    tpr = np.mean(detector.score_samples(attacked) > threshold)
-    return float(50 * (tpr + 1 - fpr))
+    clean_scores, attacked_scores = detector.score_samples(clean), detector.score_samples(attacked)
+    return balanced_accuracy(clean_scores, attacked_scores, threshold)[0]
+
+
+def view(variant: str, samples: Samples) -> Samples:
+    """The columns the variant's detector reads (TR+NSS: the NSS statistics appended)."""
+    return with_nss(samples) if variant == "TR+NSS" else samples
 
 
 def fitted(variant: str, clean: Samples, attacked: Samples) -> Detector:
     detector = on_all_cores(get_detector("nss" if variant == "NS" else "transport"))
-    if variant == "TR+NSS":
-        return detector.fit_samples(with_nss(clean), with_nss(attacked))
-    return detector.fit_samples(clean, attacked)
+    return detector.fit_samples(view(variant, clean), view(variant, attacked))
 
 
 def scored(variant: str, detector: Detector, clean: Samples, attacked: Samples) -> float:
-    if variant == "TR+NSS":
-        return accuracy(detector, with_nss(clean), with_nss(attacked))
-    return accuracy(detector, clean, attacked)
+    return accuracy(detector, view(variant, clean), view(variant, attacked))
 
 
 def main() -> None:
     run, name = open_run(run_arguments(__doc__.splitlines()[0]).parse_args())
     data = run.samples(name)
     add_precomputed(run, name, NSSDetector(), [data.clean, *data.attacks.values()])
-    universe = int(data.clean.indices.max()) + 1
     seen: dict[tuple[str, str], list[float]] = {}
     unseen: dict[tuple[str, str], list[float]] = {}
-    for cut, (is_fit, is_val) in enumerate(cuts(universe, run.config.test_fraction)):
+    for cut in range(CUTS):
+        _, is_fit, is_val = validation_cut(run, name, cut=cut)
         fit, val = masker(is_fit), masker(is_val)
         pairs = {k: (sources(val(data.clean), val(a)), val(a)) for k, a in data.attacks.items()}
         for key, attack in data.attacks.items():

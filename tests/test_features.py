@@ -102,16 +102,31 @@ def test_start_embedding_and_head_groups_equal_hand_computation(
     np.testing.assert_allclose(features[:, -3:], head_statistics(logits), rtol=1e-5)
 
 
+def _banded_images(seed: int) -> torch.Tensor:
+    """Four random 28x28 images with a flat top band, as Fashion-MNIST's background."""
+    x = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(seed))
+    x[:, :, :8] = 0.0
+    return x
+
+
+def _extracted(
+    network: torch.nn.Module,
+    spec: FeatureSpec,
+    x: torch.Tensor,
+    value_range: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, list[str]]:
+    """(features, column names) of one forward pass of ``x`` through ``network``."""
+    with torch.no_grad(), TransportFeatureExtractor(network, spec, value_range=value_range) as fx:
+        network(x)
+        return fx.features(), fx.feature_names
+
+
 def test_image_group_is_the_spatial_statistics_of_the_network_input(
     tiny_network: torch.nn.Module,
 ) -> None:
-    x = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(5))
-    x[:, :, :8] = 0.0  # a flat band, as Fashion-MNIST's background
+    x = _banded_images(5)
     spec = FeatureSpec(image=True, start=True, head=True)
-    with torch.no_grad(), TransportFeatureExtractor(tiny_network, spec) as fx:
-        tiny_network(x)
-        features = fx.features()
-    names = fx.feature_names
+    features, names = _extracted(tiny_network, spec, x)
     assert names == spec.names(2) and spec.label() == "residues+image+start+head"
     assert names.index("image_msq") < names.index("start_msq") < names.index("head_margin")
     first = names.index("image_msq")
@@ -125,13 +140,9 @@ def test_image_group_is_the_spatial_statistics_of_the_network_input(
 def test_nss_group_is_the_scene_statistics_of_the_image_in_the_networks_range(
     tiny_network: torch.nn.Module,
 ) -> None:
-    x = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(6))
-    x[:, :, :8] = 0.0
+    x = _banded_images(6)
     spec = FeatureSpec(image=True, nss=True, head=True)
-    with torch.no_grad(), TransportFeatureExtractor(tiny_network, spec) as fx:
-        tiny_network(x)
-        features = fx.features()
-    names = fx.feature_names
+    features, names = _extracted(tiny_network, spec, x)
     assert names == spec.names(2) and spec.label() == "residues+image+nss+head"
     assert names.index("image_spread_q50") + 1 == names.index("nss_s0_ggd_shape")
     assert names.index("nss_s1_d2_right_var") + 1 == names.index("head_margin")
@@ -140,12 +151,7 @@ def test_nss_group_is_the_scene_statistics_of_the_image_in_the_networks_range(
         features[:, first : first + 36], scene_statistics(x), rtol=1e-6, atol=1e-7
     )
     # The same images as a network reading [-1, 1] sees them: the same statistics.
-    with (
-        torch.no_grad(),
-        TransportFeatureExtractor(tiny_network, spec, value_range=(-1.0, 1.0)) as fx,
-    ):
-        tiny_network(x * 2 - 1)
-        centred = fx.features()
+    centred, _ = _extracted(tiny_network, spec, x * 2 - 1, (-1.0, 1.0))
     np.testing.assert_allclose(
         centred[:, first : first + 36], features[:, first : first + 36], rtol=1e-4, atol=1e-5
     )
