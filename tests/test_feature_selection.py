@@ -82,3 +82,21 @@ def test_columns_of_a_candidate_are_found_by_name() -> None:
     assert restricted.features.shape == (len(clean), 2)
     with pytest.raises(ConfigError, match="lack the columns"):
         spec_columns(FeatureSpec(line_shape=True), names)
+
+
+def test_own_feature_selection_names_a_protocol_detector_that_is_not_deployed() -> None:
+    from pydantic import ValidationError
+
+    from training.presets.pipelines import PipelineConfig, get_pipeline_preset
+
+    config = get_pipeline_preset("smoke")
+    assert config.own_feature_selection == ["transport"]
+    assert config.feature_chooser("transport") == "transport"
+    assert config.feature_chooser("quantile") == config.feature_chooser() == "ensemble"
+    data = config.model_dump()
+    for own, match in (
+        (["novelty"], "not one of the detectors"),
+        (["ensemble"], "deployed detector"),
+    ):
+        with pytest.raises(ValidationError, match=match):
+            PipelineConfig.model_validate(data | {"own_feature_selection": own})

@@ -368,3 +368,32 @@ def test_shipped_rates_cover_ood_and_successful_images_and_the_server_reproduces
             rate = metrics[f"heldout_flag_rate_ood-{name}"]
             assert rate == info["heldout"]["flag_rate"][f"ood-{name}"]
             assert rate == np.mean(served > manifest["threshold"])
+
+
+def test_the_transport_forests_read_the_set_they_chose(smoke_run) -> None:
+    """TR chooses its own feature set on the training side (``selection-transport.json``, fitted
+    with TR itself); the protocols hand TR that set's columns, the ensemble and the bundle the
+    selection detector's; the evaluation and the report say which set each detector read."""
+    from training.pipeline import PipelineRun
+
+    lap = smoke_run / "features" / "lap"
+    own = json.loads((lap / "selection-transport.json").read_text())
+    shipped = json.loads((lap / "selection.json").read_text())
+    assert (own["detector"], shipped["detector"]) == ("transport", "ensemble")
+    assert own["candidates"] == shipped["candidates"] and own["rows"] != shipped["rows"]
+    evaluation = json.loads((smoke_run / "evaluation.json").read_text())
+    sets = evaluation["feature_sets"]["lap"]
+    assert sets == {
+        "transport": own["chosen"],
+        "ensemble": shipped["chosen"],
+        "quantile": shipped["chosen"],
+    }
+    run = PipelineRun.open(smoke_run, progress=False)
+    for detector, chosen in (("transport", own["chosen"]), ("ensemble", shipped["chosen"])):
+        spec = run.feature_spec("lap", detector)
+        assert spec.label() == chosen
+        names = run.samples("lap", detector).clean.feature_names
+        assert list(names) == spec.names(len([n for n in names if n.startswith("msq_")]))
+    section = (smoke_run / "report.md").read_text().split("## Feature sets, chosen on the")[1]
+    assert f"**LAP**, transport: {own['chosen']}" in section
+    assert f"**LAP**, ensemble: {shipped['chosen']}" in section

@@ -87,7 +87,7 @@ def build_attacker(run: PipelineRun, name: str, target: Target, *, surrogate: bo
     """The attacker's knowledge, all from the training side: clean reference images (starts of
     the black-box searches, feature scales) and, when asked, the surrogate distilled from the
     target's mean member margin on clean + attacked training rows (with its agreement)."""
-    data = run.samples(name)
+    data = run.samples(name, target.spec.detector)  # in the columns the target reads
     split = Split(SPLIT_SEED, run.config.test_fraction, int(data.clean.indices.max()) + 1)
     rng = np.random.default_rng(SPLIT_SEED)
     clean = split.train(data.clean)

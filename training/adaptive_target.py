@@ -145,8 +145,8 @@ def fit_target(run: PipelineRun, name: str, spec: TargetSpec) -> Target:
     deployed detector: an ensemble also fits one forest set per family), calibrated at the
     config's target FPR on the calibration split's clean images through the Guard."""
     out = target_dir(run, name, spec)
-    config, data = run.config, run.samples(name)
-    features = run.feature_spec(name)
+    config, data = run.config, run.samples(name, spec.detector)
+    features = run.feature_spec(name, spec.detector)
     model, second = run.model(name), run.second_model(name, features)
     split = Split(SPLIT_SEED, config.test_fraction, int(data.clean.indices.max()) + 1)
     saved = out / TARGET_FILE

@@ -6,7 +6,9 @@ side (never the test side, never the calibration slice): its source images are s
 into a fit part and a validation part; the selection detector is fitted on the fit part's clean
 images vs every seen attack's images, and each candidate is scored by its mean balanced
 accuracy over the attacks on the validation part. The best candidate wins (ties: the earlier,
-smaller one). The table of every candidate's scores is kept in ``RUN/features/<model>/selection.json``.
+smaller one). The table of every candidate's scores is kept in ``RUN/features/<model>/selection.json``
+(``selection-<detector>.json`` for a detector of the config's ``own_feature_selection``, which
+runs the same selection fitting itself).
 """
 
 from __future__ import annotations

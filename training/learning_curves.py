@@ -76,8 +76,8 @@ def run_learning_curves(run: PipelineRun) -> dict[str, dict[str, list[dict[str, 
     config, name = run.config, run.config.deploy_model
     if not config.learning_curve_attacks:
         return {}
-    data = run.samples(name)
-    noisy = _noisy_copies(run, name) if config.noisy_copies else None
+    data = run.samples(name, CURVE_DETECTOR)
+    noisy = _noisy_copies(run, name, CURVE_DETECTOR) if config.noisy_copies else None
     universe = index_universe(data.clean, data.attacks)
     sides = [
         Sides.of(seed, config.test_fraction, universe, data.clean, noisy)

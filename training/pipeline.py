@@ -23,7 +23,7 @@ from detector import artefacts, networks
 from detector.base import Detector
 from detector.errors import ArtefactError, ConfigError
 from detector.features import FeatureSpec, extract_features
-from detector.registry import get_detector
+from detector.registry import detector_info, get_detector
 from training import adversarial
 from training.data import load_dataset, load_ood, to_arrays
 from training.experiments import Samples, on_all_cores, run_protocols, save_first_scores
@@ -96,8 +96,9 @@ class PipelineRun:
         self._models: dict[str, torch.nn.Module] = {}
         self._images: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._sets: dict[str, dict[str, adversarial.AdversarialSet]] = {}
-        self._samples: dict[str, NetworkSamples] = {}
-        self._specs: dict[str, FeatureSpec] = {}
+        self._full: dict[str, NetworkSamples] = {}
+        self._samples: dict[tuple[str, str], NetworkSamples] = {}
+        self._specs: dict[tuple[str, str], FeatureSpec] = {}
         self.candidates = [options.spec() for options in config.feature_candidates]
         self.union = union_spec(self.candidates)
 
@@ -169,20 +170,23 @@ class PipelineRun:
         """Every configured attack on network ``name``, in the config's order."""
         return {spec.key: self.attack_set(name, spec.key) for spec in self.config.attacks}
 
-    def samples(self, name: str) -> NetworkSamples:
+    def samples(self, name: str, detector: str | None = None) -> NetworkSamples:
         """Clean, attacked and OOD samples of network ``name`` with their (cached) features, in
-        the columns of the feature set chosen for it (:meth:`feature_spec`)."""
-        if name not in self._samples:
-            full = self._collect(name)
+        the columns of the feature set ``detector`` reads (:meth:`feature_spec`; default: the
+        selection detector's, which the run ships)."""
+        spec = self.feature_spec(name, detector)
+        key = (name, spec.label())
+        if key not in self._samples:
+            full = self._collected(name)
             names = self.union.names(self._blocks(name))
-            columns = spec_columns(self.feature_spec(name, full), names)
-            self._samples[name] = NetworkSamples(
+            columns = spec_columns(spec, names)
+            self._samples[key] = NetworkSamples(
                 restrict(full.clean, columns, names),
                 {k: restrict(v, columns, names) for k, v in full.attacks.items()},
                 {k: restrict(v, columns, names) for k, v in full.ood.items()},
                 full.timing,
             )
-        return self._samples[name]
+        return self._samples[key]
 
     def image_samples(
         self, name: str, set_name: str, images: np.ndarray, indices: np.ndarray
@@ -198,24 +202,35 @@ class PipelineRun:
     def _blocks(self, name: str) -> int:
         return len(self.union.tap_names(self.model(name)))
 
-    def feature_spec(self, name: str, full: NetworkSamples | None = None) -> FeatureSpec:
-        """The feature set network ``name``'s detectors use: the only candidate, or the one the
-        training side picks (:func:`training.feature_selection.select_features`, cached)."""
-        if name not in self._specs:
+    def feature_spec(self, name: str, detector: str | None = None) -> FeatureSpec:
+        """The feature set ``detector`` reads on network ``name`` (default: the selection
+        detector's, which the deployed detector and the bundle use): the only candidate, or the
+        one the training side picks for the detector that chooses it
+        (:meth:`PipelineConfig.feature_chooser`; :func:`select_features`, cached on disk)."""
+        chooser = self.config.feature_chooser(detector)
+        key = (name, chooser)
+        if key not in self._specs:
             if len(self.candidates) == 1:
-                self._specs[name] = self.candidates[0]
+                self._specs[key] = self.candidates[0]
             else:
-                full = full or self._collect(name)
-                self._specs[name], _ = select_features(
+                full = self._collected(name)
+                own = chooser != self.config.selection_detector
+                self._specs[key], _ = select_features(
                     self.candidates,
                     self.union.names(self._blocks(name)),
                     full.clean,
                     {k: full.attacks[k] for k in self.config.seen_keys},
-                    detector=self.config.selection_detector,
+                    detector=chooser,
                     test_fraction=self.config.test_fraction,
-                    out=self.dir.feature_selection(name),
+                    out=self.dir.feature_selection(name, chooser if own else None),
                 )
-        return self._specs[name]
+        return self._specs[key]
+
+    def _collected(self, name: str) -> NetworkSamples:
+        """:meth:`_collect` once per network: every feature column of the candidates' union."""
+        if name not in self._full:
+            self._full[name] = self._collect(name)
+        return self._full[name]
 
     def _collect(self, name: str) -> NetworkSamples:
         x, _, indices = self.test_images(name)
@@ -286,43 +301,71 @@ def evaluate(run: PipelineRun) -> dict[str, Any]:
     detection: list[dict[str, Any]] = []
     ood_rows: list[dict[str, Any]] = []
     timing: dict[str, Any] = {}
+    feature_sets: dict[str, dict[str, str]] = {}
     for name in run.config.models:
-        data = run.samples(name)
-        detectors = _protocol_detectors(run, name, data)
-        records = run_protocols(
-            model=name,
-            clean=data.clean,
-            attacks=data.attacks,
-            ood_sets=data.ood,
-            detectors=detectors,
-            seen=run.config.seen_keys,
-            unseen_train=run.config.unseen_train,
-            ood_train=run.config.ood_train,
-            seeds=list(range(run.config.seeds)),
-            test_fraction=run.config.test_fraction,
-            target_fpr=run.config.target_fpr,
-            noisy_copies=_noisy_copies(run, name) if run.config.noisy_copies else None,
-            progress=run.progress,
-        )
-        save_first_scores(records, run.dir.scores)
-        for record in records:
-            (ood_rows if record.setting == "ood" else detection).append(record.row())
-        network_reader = next((d for d in detectors if d.info.reads == "network"), None)
-        timing[name] = data.timing | _feature_timing(run, name, network_reader)
+        network_reader = None
+        for group in _feature_groups(run, name):
+            data = run.samples(name, group[0])
+            detectors = _protocol_detectors(run, name, data, group)
+            records = run_protocols(
+                model=name,
+                clean=data.clean,
+                attacks=data.attacks,
+                ood_sets=data.ood,
+                detectors=detectors,
+                seen=run.config.seen_keys,
+                unseen_train=run.config.unseen_train,
+                ood_train=run.config.ood_train,
+                seeds=list(range(run.config.seeds)),
+                test_fraction=run.config.test_fraction,
+                target_fpr=run.config.target_fpr,
+                noisy_copies=_noisy_copies(run, name, group[0])
+                if run.config.noisy_copies
+                else None,
+                progress=run.progress,
+            )
+            save_first_scores(records, run.dir.scores)
+            for record in records:
+                (ood_rows if record.setting == "ood" else detection).append(record.row())
+            reads_network = (d for d in detectors if d.info.reads == "network")
+            network_reader = network_reader or next(reads_network, None)
+        feature_sets[name] = {
+            d: run.feature_spec(name, d).label()
+            for d in run.config.detectors
+            if detector_info(d).reads == "features"
+        }
+        timing[name] = run.samples(name).timing | _feature_timing(run, name, network_reader)
     from training.learning_curves import run_learning_curves
 
-    result = {"detection": detection, "ood": ood_rows, "timing": timing}
+    result = {
+        "detection": detection,
+        "ood": ood_rows,
+        "timing": timing,
+        "feature_sets": feature_sets,
+    }
     result["learning_curves"] = run_learning_curves(run)
     artefacts.write_json(path, result)
     return result
 
 
-def _protocol_detectors(run: PipelineRun, name: str, data: NetworkSamples) -> list[Detector]:
-    """The config's detectors from the registry. Those that read the network learn their clean
+def _feature_groups(run: PipelineRun, name: str) -> list[list[str]]:
+    """The config's detectors grouped by the feature set they read on network ``name``, in
+    config order: one protocol run per group, so the ensemble reuses the transport forests
+    whenever both read the same set."""
+    groups: dict[str, list[str]] = {}
+    for detector in run.config.detectors:
+        groups.setdefault(run.feature_spec(name, detector).label(), []).append(detector)
+    return list(groups.values())
+
+
+def _protocol_detectors(
+    run: PipelineRun, name: str, data: NetworkSamples, names: list[str]
+) -> list[Detector]:
+    """The detectors ``names`` from the registry. Those that read the network learn their clean
     statistics once; every detector with per-image arrays (``precompute``: Mahalanobis scores,
     NSS statistics) adds them, cached on disk, to every sample set once, for all its fits."""
     params = {"mahalanobis": {"magnitudes": tuple(run.config.mahalanobis_magnitudes)}}
-    detectors = [on_all_cores(get_detector(d, **params.get(d, {}))) for d in run.config.detectors]
+    detectors = [on_all_cores(get_detector(d, **params.get(d, {}))) for d in names]
     for detector in detectors:
         if detector.info.reads == "network":
             clean_x, clean_y = to_arrays(
@@ -352,13 +395,16 @@ def add_precomputed(run: PipelineRun, name: str, detector: Detector, sets: list[
         artefacts.save_npz(path, **{k: samples.extra[k] for k in keys})
 
 
-def _noisy_copies(run: PipelineRun, name: str, eps: float = 0.1) -> Samples:
-    clean = run.samples(name).clean
+def _noisy_copies(
+    run: PipelineRun, name: str, detector: str | None = None, eps: float = 0.1
+) -> Samples:
+    """Noised copies of network ``name``'s clean images, in the columns ``detector`` reads."""
+    clean = run.samples(name, detector).clean
     rng = np.random.default_rng(0)
     images = np.clip(
         clean.images + rng.uniform(-eps, eps, clean.images.shape).astype(np.float32), 0, 1
     )
-    features, logits = run.extract(name, images)
+    features, logits = run.extract(name, images, run.feature_spec(name, detector))
     return Samples("noise", images, features, logits.argmax(1), clean.indices)
 
 

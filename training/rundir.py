@@ -202,9 +202,13 @@ class RunDir:
         """``features/<name>/<set>.npz``."""
         return self.feature_dir(name) / f"{set_name}.npz"
 
-    def feature_selection(self, name: str) -> Path:
-        """``features/<name>/selection.json``: the candidate feature sets' validation scores."""
-        return self.feature_dir(name) / "selection.json"
+    def feature_selection(self, name: str, detector: str | None = None) -> Path:
+        """``features/<name>/selection.json``: the candidate feature sets' validation scores for
+        the config's selection detector; ``selection-<detector>.json`` for a detector that
+        chooses its own (``own_feature_selection``)."""
+        return self.feature_dir(name) / (
+            f"selection-{detector}.json" if detector else "selection.json"
+        )
 
     def adaptive(self, name: str) -> Path:
         """``adaptive/<name>/``: targets, starting sets and results of the adaptive attacks."""

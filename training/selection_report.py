@@ -16,8 +16,10 @@ NOTE = (
     "Each candidate is scored on the seed-0 split's training side only: its source images are cut "
     "into a fit part and a validation quarter, one {detector} detector is fitted on the fit part's "
     "clean images against every seen attack, and the cell is its balanced accuracy (%) at its "
-    "own decision on the validation quarter. The best mean wins (ties: the earlier, smaller set); "
-    "the protocols, the deployed detector and the bundle use it. The test side plays no part."
+    "own decision on the validation quarter. The best mean wins (ties: the earlier, smaller set). "
+    "The {detector} detector's choice is what the protocols' feature-reading detectors, the "
+    "deployed detector and the bundle read; a detector with a selection of its own below reads "
+    "its own choice in the protocols. The test side plays no part."
 )
 GROUPS = (
     "Groups: residues (msq, cos per block); emb: the same of each block's output; dirN: cosines to "
@@ -50,8 +52,14 @@ def _table(selection: Mapping[str, Any]) -> str:
     return markdown_table(header, rows)
 
 
+def _own_selections(run: RunDir, model: str) -> list[Mapping[str, Any]]:
+    """The selections of the detectors that chose their own set (``selection-<detector>.json``)."""
+    paths = sorted(run.feature_dir(model).glob("selection-*.json"))
+    return [s for path in paths if (s := _read(path)) is not None]
+
+
 def feature_selection_section(run_dir: Path, models: Sequence[str]) -> list[str]:
-    """One table per network with a saved selection; nothing when no network has one."""
+    """One table per network and selecting detector; nothing when no network has a selection."""
     run = RunDir(run_dir)
     found = {m: s for m in models if (s := _read(run.feature_selection(m))) is not None}
     if not found:
@@ -60,5 +68,7 @@ def feature_selection_section(run_dir: Path, models: Sequence[str]) -> list[str]
     lines = ["## Feature sets, chosen on the training side", "", NOTE.format(detector=detector), ""]
     for model, selection in found.items():
         label = MODEL_LABELS.get(model, model.upper())
-        lines += [f"**{label}**: {selection.get('chosen', '?')}", "", _table(selection), ""]
+        for chosen in [selection, *_own_selections(run, model)]:
+            by = chosen.get("detector", "?")
+            lines += [f"**{label}**, {by}: {chosen.get('chosen', '?')}", "", _table(chosen), ""]
     return [*lines, GROUPS, ""]
