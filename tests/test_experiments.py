@@ -7,6 +7,7 @@ import pytest
 
 from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
+from detector.quantile import QuantileDetector
 from training.experiments import Samples, Split, evaluate_fitted, run_protocols
 
 
@@ -173,6 +174,40 @@ def test_the_ood_protocol_fits_on_clean_images_from_the_whole_training_side(worl
     assert len(first) == n_abnormal == train_side[:120].sum()
     assert (first >= 120).any() and train_side[first].all()
     np.testing.assert_array_equal(first, second)
+
+
+def test_every_detector_is_tested_on_the_same_ood_rows_whatever_ran_before_it(world) -> None:
+    """An OOD row's balanced test draw depends on the seed and the row only: the transport
+    detector scores the same rows whether or not another detector's protocols ran first, so the
+    detectors' OOD rows are paired (and the evaluation may run them in any grouping)."""
+    clean, attacks, ood = world
+    common = dict(model="lap", clean=clean, attacks=attacks, ood_sets=ood, seen=[])
+
+    class Recording(TransportDetector):
+        scored: list[np.ndarray] = []
+
+        def score_samples(self, samples: Samples) -> np.ndarray:  # type: ignore[override]
+            Recording.scored.append(samples.indices.copy())
+            return super().score_samples(samples)
+
+    def scored_rows(detectors: list) -> list[np.ndarray]:
+        Recording.scored = []
+        run_protocols(
+            detectors=detectors,
+            unseen_train=None,
+            ood_train=["fgm", "digits"],
+            seeds=[0, 1],
+            progress=False,
+            **common,
+        )
+        return Recording.scored
+
+    alone = scored_rows([Recording(n_estimators=5)])
+    after = scored_rows([QuantileDetector(), Recording(n_estimators=5)])
+    assert len(alone) == len(after) == 2 * 3 * 3  # 2 seeds x 3 rows x (calibration, clean, OOD)
+    assert any(len(rows) < len(ood["digits"]) for rows in alone)  # a draw, not every row
+    for a, b in zip(alone, after, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_protocol_decides_at_the_fitted_detectors_own_threshold() -> None:

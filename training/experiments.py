@@ -14,6 +14,7 @@ Each experiment is repeated over seeds and reported as mean ± std.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,11 +246,10 @@ def index_universe(clean: Samples, attacks: dict[str, Samples]) -> int:
 
 @dataclass
 class Sides:
-    """One seed's split of the clean samples, and the seed's generator for balancing."""
+    """One seed's split of the clean samples: training, calibration and test sides."""
 
     seed: int
     split: Split
-    rng: np.random.Generator
     train_clean: Samples
     calibration_clean: Samples
     test_clean: Samples
@@ -270,7 +270,6 @@ class Sides:
         return cls(
             seed,
             split,
-            np.random.default_rng(seed),
             train_clean,
             split.calibration(clean),
             split.test(clean),
@@ -384,9 +383,17 @@ class _Protocols:
             if test_key == train_key:
                 continue
             test_ood = _positional_half(ood, sides.seed, first=False) if ood is source else ood
-            test_clean, test_ood = _balanced(sides.test_clean, test_ood, sides.rng)
+            test_clean, test_ood = _balanced(
+                sides.test_clean, test_ood, _test_draw(sides.seed, train_key, test_key)
+            )
             outcome = self._evaluate(detector, sides, test_clean, test_ood)
             self._record(detector, "ood", train_key, test_key, outcome)
+
+
+def _test_draw(seed: int, train_key: str, test_key: str) -> np.random.Generator:
+    """The generator of one OOD row's balanced test draw: by the seed and the row alone, so every
+    detector is tested on the same rows (paired), whatever ran before it."""
+    return np.random.default_rng([seed, zlib.crc32(f"{train_key}>{test_key}".encode())])
 
 
 def _paired(clean: Samples, abnormal: Samples) -> tuple[Samples, Samples]:
