@@ -407,8 +407,8 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         # (chosen on the training side: benchmarks/RESULTS.md, issue 11, synthetic outliers).
         deploy_synthetic_outliers=1800,
         expected_duration=(
-            "~50 min on 2 CPU cores, alone (training 8, attacks 25, evaluation 16); 69 min on a"
-            " machine 1.4x slower"
+            "~70 min on 2 CPU cores, alone (training 13, attacks 32, evaluation 26; runs/q34 and"
+            " q38, 2026-11-27)"
         ),
         not_run=_CPU_NOT_RUN,
     ),
