@@ -118,6 +118,9 @@ class ModelDir:
         return artefacts.read_jsonl(self.steps_file)
 
 
+_OWN_SELECTION = "selection-"  # + <detector>.json: an own_feature_selection detector's table
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Every path of a pipeline run directory. Paths are computed, never created."""
@@ -207,8 +210,12 @@ class RunDir:
         the config's selection detector; ``selection-<detector>.json`` for a detector that
         chooses its own (``own_feature_selection``)."""
         return self.feature_dir(name) / (
-            f"selection-{detector}.json" if detector else "selection.json"
+            f"{_OWN_SELECTION}{detector}.json" if detector else "selection.json"
         )
+
+    def own_feature_selections(self, name: str) -> list[Path]:
+        """The :meth:`feature_selection` files of the detectors that chose their own set, sorted."""
+        return sorted(self.feature_dir(name).glob(f"{_OWN_SELECTION}*.json"))
 
     def adaptive(self, name: str) -> Path:
         """``adaptive/<name>/``: targets, starting sets and results of the adaptive attacks."""

@@ -54,8 +54,7 @@ def _table(selection: Mapping[str, Any]) -> str:
 
 def _own_selections(run: RunDir, model: str) -> list[Mapping[str, Any]]:
     """The selections of the detectors that chose their own set (``selection-<detector>.json``)."""
-    paths = sorted(run.feature_dir(model).glob("selection-*.json"))
-    return [s for path in paths if (s := _read(path)) is not None]
+    return [s for path in run.own_feature_selections(model) if (s := _read(path)) is not None]
 
 
 def feature_selection_section(run_dir: Path, models: Sequence[str]) -> list[str]:
