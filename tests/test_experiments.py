@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from detector.calibration import calibrate_threshold
 from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
 from detector.quantile import QuantileDetector
@@ -204,7 +205,8 @@ def test_every_detector_is_tested_on_the_same_ood_rows_whatever_ran_before_it(wo
 
     alone = scored_rows([Recording(n_estimators=5)])
     after = scored_rows([QuantileDetector(), Recording(n_estimators=5)])
-    assert len(alone) == len(after) == 2 * 3 * 3  # 2 seeds x 3 rows x (calibration, clean, OOD)
+    # 2 seeds x (the calibration slice once per fitted detector, then 3 rows x (clean, OOD))
+    assert len(alone) == len(after) == 2 * (2 + 3 * 2)
     assert any(len(rows) < len(ood["digits"]) for rows in alone)  # a draw, not every row
     for a, b in zip(alone, after, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -222,3 +224,25 @@ def test_a_protocol_decides_at_the_fitted_detectors_own_threshold() -> None:
     expected = detection_metrics(outcome.is_abnormal, outcome.scores, detector.decision_threshold())
     assert outcome.metrics["accuracy"] == pytest.approx(expected["accuracy"])
     assert outcome.metrics["fpr"] == pytest.approx(expected["fpr"])
+
+
+def test_a_threshold_calibrated_once_gives_the_same_outcome() -> None:
+    """A protocol that tests one fitted detector on several sets calibrates it once and passes
+    the threshold on: the outcome is the one :func:`evaluate_fitted` computes itself."""
+    rng = np.random.default_rng(4)
+    clean, abnormal = (_samples(k, np.arange(300), m, rng) for k, m in (("clean", 0), ("fgm", 1)))
+    detector = QuantileDetector().fit_samples(clean, abnormal)  # decides at its calibration
+    calibration, test_clean, test_abnormal = (
+        _samples(k, np.arange(300, 500), m, rng)
+        for k, m in (("clean", 0), ("clean", 0), ("fgm", 1))
+    )
+    own = evaluate_fitted(detector, calibration, test_clean, test_abnormal, target_fpr=0.05)
+    threshold = calibrate_threshold(detector.score_samples(calibration), 0.05)
+    given = evaluate_fitted(
+        detector, calibration, test_clean, test_abnormal, target_fpr=0.05, calibrated=threshold
+    )
+    assert given.metrics == own.metrics
+    shifted = evaluate_fitted(
+        detector, calibration, test_clean, test_abnormal, target_fpr=0.05, calibrated=-np.inf
+    )
+    assert shifted.metrics["calibrated_fpr"] == 1.0  # the given threshold is the one read

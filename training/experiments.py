@@ -332,11 +332,26 @@ class _Protocols:
         record.outcomes.append(outcome)
 
     def _evaluate(
-        self, detector: Detector, sides: Sides, test_clean: Samples, test_abnormal: Samples
+        self,
+        detector: Detector,
+        sides: Sides,
+        test_clean: Samples,
+        test_abnormal: Samples,
+        calibrated: float | None = None,
     ) -> Outcome:
         return evaluate_fitted(
-            detector, sides.calibration_clean, test_clean, test_abnormal, self.target_fpr
+            detector,
+            sides.calibration_clean,
+            test_clean,
+            test_abnormal,
+            self.target_fpr,
+            calibrated=calibrated,
         )
+
+    def _calibrated(self, detector: Detector, sides: Sides) -> float:
+        """The fitted detector's threshold calibrated on the seed's calibration slice: scored once
+        for every test set a protocol reads it on."""
+        return calibrate_threshold(detector.score_samples(sides.calibration_clean), self.target_fpr)
 
     def seen(self, prototype: Detector, sides: Sides, key: str) -> None:
         """Train and test on the same attack (its B1 and B2 sides)."""
@@ -352,11 +367,12 @@ class _Protocols:
             sides.train_clean, sides.split.train(self.attacks[train_key])
         )
         detector = self._fit(prototype, sides, train_clean, train_abnormal)
+        calibrated = self._calibrated(detector, sides)
         for key, attack in self.attacks.items():
             if key == train_key:
                 continue
             test_clean, test_abnormal = _paired(sides.test_clean, sides.split.test(attack))
-            outcome = self._evaluate(detector, sides, test_clean, test_abnormal)
+            outcome = self._evaluate(detector, sides, test_clean, test_abnormal, calibrated)
             self._record(detector, "unseen", train_key, key, outcome)
 
     def ood(self, prototype: Detector, sides: Sides, train_key: str) -> None:
@@ -379,6 +395,7 @@ class _Protocols:
             sides.train_clean, train_abnormal, np.random.default_rng(sides.seed)
         )
         detector = self._fit(prototype, sides, train_clean, train_abnormal)
+        calibrated = self._calibrated(detector, sides)
         for test_key, ood in self.ood_sets.items():
             if test_key == train_key:
                 continue
@@ -386,7 +403,7 @@ class _Protocols:
             test_clean, test_ood = _balanced(
                 sides.test_clean, test_ood, _test_draw(sides.seed, train_key, test_key)
             )
-            outcome = self._evaluate(detector, sides, test_clean, test_ood)
+            outcome = self._evaluate(detector, sides, test_clean, test_ood, calibrated)
             self._record(detector, "ood", train_key, test_key, outcome)
 
 
@@ -413,10 +430,14 @@ def evaluate_fitted(
     test_clean: Samples,
     test_abnormal: Samples,
     target_fpr: float,
+    *,
+    calibrated: float | None = None,
 ) -> Outcome:
     """Metrics of a fitted detector on a balanced test set, at its own decision and at the threshold
-    calibrated on held-out clean samples of the training side."""
-    calibrated = calibrate_threshold(detector.score_samples(calibration_clean), target_fpr)
+    calibrated on held-out clean samples of the training side (``calibrated``: that threshold,
+    already computed from the same samples and target, for a detector tested on several sets)."""
+    if calibrated is None:
+        calibrated = calibrate_threshold(detector.score_samples(calibration_clean), target_fpr)
     scores = np.concatenate(
         [detector.score_samples(test_clean), detector.score_samples(test_abnormal)]
     ).astype(np.float32)
