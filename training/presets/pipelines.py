@@ -407,8 +407,8 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         # (chosen on the training side: benchmarks/RESULTS.md, issue 11, synthetic outliers).
         deploy_synthetic_outliers=1800,
         expected_duration=(
-            "~70 min on 2 CPU cores, alone (training 13, attacks 32, evaluation 26; runs/q34 and"
-            " q38, 2026-11-27)"
+            "~68 min on 2 CPU cores, alone (training 12, attacks 29, evaluation 25; runs/q39,"
+            " 2026-11-27: 1.31x the issue's preset, 51:30, on the same machine)"
         ),
         not_run=_CPU_NOT_RUN,
     ),
