@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from detector.novelty import EnsembleDetector
+from detector.novelty import EnsembleDetector, tail_ramp
 from training.experiments import Samples
 from training.pipeline import add_precomputed
 
@@ -52,8 +52,8 @@ Parts = dict[str, np.ndarray]
 
 
 def ramp(u: np.ndarray, tail: float) -> np.ndarray:
-    """The ensemble's tail ramp (:func:`detector.novelty.tail_ramp`) in numpy."""
-    return np.clip(1.0 - (1.0 - u) / tail, 0.0, 1.0)
+    """The ensemble's tail ramp (:func:`detector.novelty.tail_ramp`) of a numpy array."""
+    return tail_ramp(torch.from_numpy(u), tail).numpy().astype(np.float64)
 
 
 def part_reader(clean: Samples, attacked: Samples) -> tuple[Callable[[Samples], Parts], Parts]:

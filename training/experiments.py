@@ -337,8 +337,11 @@ class _Protocols:
         sides: Sides,
         test_clean: Samples,
         test_abnormal: Samples,
-        calibrated: float | None = None,
+        calibrated: float,
     ) -> Outcome:
+        """The outcome at ``calibrated``, the fitted detector's threshold on the seed's
+        calibration slice (:func:`calibrated_threshold`: scored once for every set it is
+        tested on)."""
         return evaluate_fitted(
             detector,
             sides.calibration_clean,
@@ -348,18 +351,13 @@ class _Protocols:
             calibrated=calibrated,
         )
 
-    def _calibrated(self, detector: Detector, sides: Sides) -> float:
-        """The fitted detector's threshold calibrated on the seed's calibration slice: scored once
-        for every test set a protocol reads it on."""
-        return calibrate_threshold(detector.score_samples(sides.calibration_clean), self.target_fpr)
-
     def seen(self, prototype: Detector, sides: Sides, key: str) -> None:
         """Train and test on the same attack (its B1 and B2 sides)."""
         (train_clean, train_abnormal), (test_clean, test_abnormal) = sides.pairs(self.attacks[key])
         detector = self._fit(prototype, sides, train_clean, train_abnormal)
-        self._record(
-            detector, "seen", key, key, self._evaluate(detector, sides, test_clean, test_abnormal)
-        )
+        calibrated = calibrated_threshold(detector, sides.calibration_clean, self.target_fpr)
+        outcome = self._evaluate(detector, sides, test_clean, test_abnormal, calibrated)
+        self._record(detector, "seen", key, key, outcome)
 
     def unseen(self, prototype: Detector, sides: Sides, train_key: str) -> None:
         """Train on one attack, test on every other attack's B2."""
@@ -367,7 +365,7 @@ class _Protocols:
             sides.train_clean, sides.split.train(self.attacks[train_key])
         )
         detector = self._fit(prototype, sides, train_clean, train_abnormal)
-        calibrated = self._calibrated(detector, sides)
+        calibrated = calibrated_threshold(detector, sides.calibration_clean, self.target_fpr)
         for key, attack in self.attacks.items():
             if key == train_key:
                 continue
@@ -395,7 +393,7 @@ class _Protocols:
             sides.train_clean, train_abnormal, np.random.default_rng(sides.seed)
         )
         detector = self._fit(prototype, sides, train_clean, train_abnormal)
-        calibrated = self._calibrated(detector, sides)
+        calibrated = calibrated_threshold(detector, sides.calibration_clean, self.target_fpr)
         for test_key, ood in self.ood_sets.items():
             if test_key == train_key:
                 continue
@@ -424,6 +422,14 @@ def _positional_half(samples: Samples, seed: int, *, first: bool) -> Samples:
     return samples.take(np.sort(order[:half] if first else order[half:]))
 
 
+def calibrated_threshold(
+    detector: Detector, calibration_clean: Samples, target_fpr: float
+) -> float:
+    """A fitted detector's threshold at ``target_fpr`` on held-out clean samples of the training
+    side."""
+    return calibrate_threshold(detector.score_samples(calibration_clean), target_fpr)
+
+
 def evaluate_fitted(
     detector: Detector,
     calibration_clean: Samples,
@@ -437,7 +443,7 @@ def evaluate_fitted(
     calibrated on held-out clean samples of the training side (``calibrated``: that threshold,
     already computed from the same samples and target, for a detector tested on several sets)."""
     if calibrated is None:
-        calibrated = calibrate_threshold(detector.score_samples(calibration_clean), target_fpr)
+        calibrated = calibrated_threshold(detector, calibration_clean, target_fpr)
     scores = np.concatenate(
         [detector.score_samples(test_clean), detector.score_samples(test_abnormal)]
     ).astype(np.float32)
