@@ -1,9 +1,11 @@
-"""ART's CW-L2 and DeepFool against our batched torch code, on the same images of one network.
+"""ART's CW-L2, DeepFool and APGD against our batched torch code, on the same images of a network.
 
 For each pair (``cw`` / ``cw-batched``, ``deepfool`` / ``deepfool-batched``), ART runs with the
 seed's parameters and the batched code with the parameters the quick preset gives it (CW:
 ``CPU_CW_PARAMS``, fewer binary-search steps from a larger c; ``--seed-params`` for the seed's
-too), on the first N test images of the seeded order (those of ``attack_costs.py``), through
+too). APGD (``apgd`` / ``apgd-batched``) runs once per ε of the quick preset's APGD sets, both
+sides with that set's parameters (the random starts differ: ART draws its own). All run
+on the first N test images of the seeded order (those of ``attack_costs.py``), through
 :func:`training.attacks.generate`, without any cache. Prints a markdown table: success
 rate on originally correct images, median L2 over the fooled ones, s/image, and the batched /
 ART ratios, with issue 11's bar (success within 3 points, median L2 within 15%); then how far the
@@ -30,13 +32,19 @@ from training.adversarial import attack_images
 from training.attacks import generate, predict_labels
 from training.presets.pipelines import get_pipeline_preset
 
-PAIRS = [("cw", "cw-batched"), ("deepfool", "deepfool-batched")]
+PAIRS = [("cw", "cw-batched"), ("deepfool", "deepfool-batched"), ("apgd", "apgd-batched")]
+#: Pairs whose ART side runs with the batched side's parameters (an ε-bounded attack).
+SHARED_PARAMS = {"apgd"}
 
 
-def preset_params(attack: str, preset: str = "quick") -> dict[str, Any]:
-    """The parameters pipeline preset ``preset`` runs ``attack`` with (its first such set)."""
+def preset_params(attack: str, preset: str = "quick") -> list[dict[str, Any]]:
+    """The parameters of each set pipeline preset ``preset`` runs ``attack`` in ([{}]: none)."""
     runs = [a for a in get_pipeline_preset(preset).attacks if a.attack == attack]
-    return dict(runs[0].params) if runs else {}
+    return [dict(run.params) for run in runs] or [{}]
+
+
+def _label(attack: str, params: dict[str, Any]) -> str:
+    return attack + "".join(f", {k}={v}" for k, v in params.items())
 
 
 def measure(
@@ -101,26 +109,29 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     notes = []
     for art, ours in PAIRS if args.only is None else [p for p in PAIRS if p[0] == args.only]:
-        a = measure(model, x, y, art, batch_size=args.art_batch, device=args.device)
-        params = {} if args.seed_params else preset_params(ours)
-        b = measure(
-            model, x, y, ours, params=params, batch_size=args.batched_batch, device=args.device
-        )
-        points, ratio = 100 * (b[0] - a[0]), b[1] / a[1]
-        ok = abs(points) <= 3 and abs(ratio - 1) <= 0.15
-        print(f"| {art} | {a[0]:.3f} | {a[1]:.4f} | {a[2]:.4f} | | | | |")
-        label = ours + "".join(f", {k}={v}" for k, v in params.items())
-        print(
-            f"| {label} | {b[0]:.3f} | {b[1]:.4f} | {b[2]:.4f} | {points:+.1f} | {ratio:.3f} "
-            f"| {a[2] / b[2]:.1f}x | {'met' if ok else 'MISSED'} |",
-            flush=True,
-        )
-        gap = float(np.abs(a[3] - b[3]).max())
-        boundary = (on_boundary(model, x, a[3]), on_boundary(model, x, b[3]))
-        notes.append(
-            f"{art}: max |pixel difference| batched vs ART {gap:.2e}; on the boundary "
-            f"(|margin| < 1e-4): ART {boundary[0]}/{len(x)}, batched {boundary[1]}/{len(x)}"
-        )
+        for params in [{}] if args.seed_params else preset_params(ours):
+            art_params = params if art in SHARED_PARAMS else {}
+            a = measure(
+                model, x, y, art, params=art_params, batch_size=args.art_batch, device=args.device
+            )
+            b = measure(
+                model, x, y, ours, params=params, batch_size=args.batched_batch, device=args.device
+            )
+            points, ratio = 100 * (b[0] - a[0]), b[1] / a[1]
+            ok = abs(points) <= 3 and abs(ratio - 1) <= 0.15
+            print(f"| {_label(art, art_params)} | {a[0]:.3f} | {a[1]:.4f} | {a[2]:.4f} | | | | |")
+            print(
+                f"| {_label(ours, params)} | {b[0]:.3f} | {b[1]:.4f} | {b[2]:.4f} | {points:+.1f} "
+                f"| {ratio:.3f} | {a[2] / b[2]:.1f}x | {'met' if ok else 'MISSED'} |",
+                flush=True,
+            )
+            gap = float(np.abs(a[3] - b[3]).max())
+            boundary = (on_boundary(model, x, a[3]), on_boundary(model, x, b[3]))
+            notes.append(
+                f"{_label(art, art_params)}: max |pixel difference| batched vs ART {gap:.2e}; on "
+                f"the boundary (|margin| < 1e-4): ART {boundary[0]}/{len(x)}, batched "
+                f"{boundary[1]}/{len(x)}"
+            )
     print("\n" + "\n".join(notes))
     print(
         f"n={len(x)}; medians over fooled, originally correct images; "

@@ -6,9 +6,9 @@ overridden by name. Images are numpy float32 NCHW in the network's value range, 
 
 Registered: ``fgm``, ``apgd``, ``bim``, ``cw``, ``deepfool``, ``hsj``, ``boundary``,
 ``autoattack`` (the authors' code, PyPI ``pyautoattack``), ``noise`` (uniform noise of the
-same ε: a control, labelled clean in detection training), and ``cw-batched`` and
-``deepfool-batched`` (ART's CW-L2 and DeepFool as batched torch code in
-:mod:`training.batched_attacks`, with the same parameters, many times cheaper).
+same ε: a control, labelled clean in detection training), and ``cw-batched``,
+``deepfool-batched`` and ``apgd-batched`` (ART's CW-L2, DeepFool and APGD as batched torch code in
+:mod:`training.batched_attacks`, with the same parameters, cheaper).
 
 Randomness: each batch is seeded from ``(seed, batch index)`` (numpy's global generator, torch and
 ``random``, which ART and AutoAttack draw from), so a set resumed after an interruption equals one
@@ -129,6 +129,14 @@ class CWBatchedParams(CWParams):
 
 class DeepFoolBatchedParams(DeepFoolParams):
     """DeepFool, ART's algorithm as batched torch code (unflipped samples only)."""
+
+
+class APGDBatchedParams(APGDParams):
+    """Auto-PGD on the cross-entropy loss, ART's algorithm as batched torch code (one forward
+    and backward pass per iteration; L∞ only)."""
+
+    norm: Literal["Linf"] = "Linf"
+    loss_type: Literal["cross_entropy"] = "cross_entropy"
 
 
 class _DecisionBased(AttackParams):
@@ -566,6 +574,28 @@ def _build_cw_batched(runner: AttackRunner, p: CWBatchedParams) -> RunFn:
     )
 
 
+def _build_apgd_batched(runner: AttackRunner, p: APGDBatchedParams) -> RunFn:
+    from training.batched_attacks import apgd
+
+    value_range = runner.config.input_spec.value_range
+    eps_step = p.eps_step
+    assert eps_step is not None  # resolved by the params' validator
+    # The random starts come from torch's generator, which run_batch seeds per batch.
+    return _torch_run(
+        runner,
+        lambda model, x, y: apgd(
+            model,
+            x,
+            y,
+            value_range=value_range,
+            eps=p.eps,
+            eps_step=eps_step,
+            max_iter=p.max_iter,
+            nb_random_init=p.nb_random_init,
+        ),
+    )
+
+
 def _build_deepfool_batched(runner: AttackRunner, p: DeepFoolBatchedParams) -> RunFn:
     from training.batched_attacks import deepfool
 
@@ -777,5 +807,6 @@ for _spec in (
     AttackSpec(
         "deepfool-batched", DeepFoolBatchedParams, _build_deepfool_batched, "white-box", 256
     ),
+    AttackSpec("apgd-batched", APGDBatchedParams, _build_apgd_batched, "white-box", 128),
 ):
     _register(_spec)

@@ -1,4 +1,4 @@
-"""Minimal-perturbation attacks as batched torch code against the network: CW-L2 and DeepFool.
+"""ART's CW-L2, DeepFool and APGD as batched torch code against the network.
 
 ART's ``CarliniL2Method`` and ``DeepFool`` go through ``class_gradient``, which takes one backward
 pass per distinct class in the batch (CW twice per step), and ART's DeepFool keeps differentiating
@@ -6,14 +6,19 @@ samples that have already flipped. These functions follow ART's algorithms step 
 parameters, same line search and binary search, same quirks) but take:
 
 - CW-L2: one backward pass per step, of the margin ``z_true - z_best_other`` itself;
-- DeepFool: one backward pass per candidate class, for the still-unflipped samples only.
+- DeepFool: one backward pass per candidate class, for the still-unflipped samples only;
+- APGD-CE: one forward and backward pass per iteration (ART computes the loss of each iterate in
+  a second forward pass, and goes through numpy).
 
-Everything is vectorised over the batch; nothing is random. Inputs and outputs are float32 NCHW
-tensors in ``value_range``; ``y`` holds int64 true labels (CW is untargeted against them; DeepFool,
-like ART's, moves each image off the network's own prediction).
+Everything is vectorised over the batch; only APGD's random start is random (torch's generator).
+Inputs and outputs are float32 NCHW tensors in ``value_range``; ``y`` holds int64 true labels
+(CW and APGD are untargeted against them; DeepFool, like ART's, moves each image off the network's
+own prediction).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -312,3 +317,131 @@ def deepfool(
         moved = current[keep].detach() + r * (high - low)
         x_adv[idx[keep]] = moved.clamp(low, high)
     return (x + (1 + epsilon) * (x_adv - x)).clamp(low, high)
+
+
+#: ART's APGD constants: momentum, step-halving threshold and the checkpoints' recurrence.
+APGD_MOMENTUM = 0.75
+APGD_RHO = 0.75
+
+
+def apgd_checkpoints(max_iter: int) -> list[int]:
+    """ART's checkpoints ``w_j`` where APGD may halve a step: the same float recurrence and
+    ``ceil`` (0.41 * 100 rounds up to 42 there, as it does here)."""
+    var_w = [0.0, 0.22]
+    while True:
+        p_next = var_w[-1] + max(var_w[-1] - var_w[-2] - 0.03, 0.06)
+        if p_next > 1:
+            break
+        var_w.append(p_next)
+    return [math.ceil(p * max_iter) for p in var_w]
+
+
+class _APGDRun:
+    """One APGD-CE run (ART's ``AutoProjectedGradientDescent``, L∞, untargeted) on a batch, with
+    one forward and backward pass per iteration: the loss of the next iterate and its gradient
+    come from the same pass (ART evaluates the loss in a second forward)."""
+
+    def __init__(
+        self, model: nn.Module, x_init: torch.Tensor, y: torch.Tensor, eps: float, eps_step: float
+    ) -> None:
+        self.model, self.x_init, self.y, self.eps = model, x_init, y, eps
+        self.eta = torch.full((len(x_init),), eps_step, dtype=x_init.dtype, device=x_init.device)
+
+    def loss_and_grad(
+        self, x: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample cross-entropy at ``x`` (the batch's ``rows``, all by default) and the sign
+        of its gradient."""
+        y = self.y if rows is None else self.y[rows]
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss = nn.functional.cross_entropy(self.model(x), y, reduction="none")
+            (grad,) = torch.autograd.grad(loss.sum(), x)
+        return loss.detach(), grad.sign()
+
+    def project(self, x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+        """Clip to the value range, then onto the ε-ball around the start."""
+        x = x.clamp(low, high)
+        return self.x_init + (x - self.x_init).clamp(-self.eps, self.eps)
+
+    def run(
+        self, x_k: torch.Tensor, max_iter: int, value_range: tuple[float, float]
+    ) -> torch.Tensor:
+        """ART's iterations from the (randomly started) ``x_k``: the last iterate."""
+        low, high = value_range
+        checkpoints = apgd_checkpoints(max_iter)
+        f_0, grad = self.loss_and_grad(x_k)
+        x_1 = self.project(x_k + _per_sample(self.eta, x_k) * grad, low, high)
+        f_1, grad = self.loss_and_grad(x_1)
+        better = f_1 >= f_0
+        count = better.to(x_k.dtype)
+        f_max, x_max = (
+            torch.where(better, f_1, f_0),
+            torch.where(_per_sample(better, x_k) > 0, x_1, x_k),
+        )
+        x_max_prev = self.x_init.clone()
+        eta_then, f_max_then = self.eta.clone(), f_0.clone()
+        x_prev, x_k = x_k, x_1
+        for k in range(1, max_iter):
+            z = self.project(x_k + _per_sample(self.eta, x_k) * grad, low, high)
+            x_next = x_k + APGD_MOMENTUM * (z - x_k) + (1 - APGD_MOMENTUM) * (x_k - x_prev)
+            x_next = self.project(x_next, low, high)
+            f_next, grad = self.loss_and_grad(x_next)
+            if bool((f_next == 0).all()):
+                return x_next
+            better = f_next > f_max
+            count += better.to(count.dtype)
+            x_max[better], x_max_prev[better], f_max[better] = (
+                x_next[better],
+                x_k[better],
+                f_next[better],
+            )
+            x_prev, x_k = x_k, x_next
+            if k in checkpoints:
+                since = k - checkpoints[checkpoints.index(k) - 1]
+                halve = (count < APGD_RHO * since) | (
+                    (eta_then == self.eta) & (f_max_then == f_max)
+                )
+                self.eta[halve] /= 2
+                x_k, x_prev = x_k.clone(), x_prev.clone()
+                x_k[halve], x_prev[halve] = x_max[halve], x_max_prev[halve]
+                if halve.any():
+                    grad = grad.clone()
+                    grad[halve] = self.loss_and_grad(x_k[halve], halve)[1]
+                count.zero_()
+                eta_then, f_max_then = self.eta.clone(), f_max.clone()
+        return x_k
+
+
+def apgd(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    value_range: tuple[float, float],
+    eps: float,
+    eps_step: float,
+    max_iter: int,
+    nb_random_init: int,
+) -> torch.Tensor:
+    """Untargeted APGD-CE under L∞ against true labels ``y``: ART's algorithm on one batch. Each
+    restart attacks the images still classified as ``y``, from a uniform random start in the
+    ε-ball; an image whose last iterate fools the network takes it, the others keep their random
+    start, and an image already misclassified comes back unchanged (all as ART)."""
+    low, high = value_range
+    x_adv = x.clone()
+    for _ in range(max(1, nb_random_init)):
+        with torch.no_grad():
+            robust = (model(x_adv).argmax(1) == y).nonzero()[:, 0]
+        if len(robust) == 0:
+            break
+        x_init = x[robust]
+        noise = torch.rand(x_init.shape, device=x.device, dtype=x.dtype)
+        start = x_init + (noise * 2 - 1) * eps
+        attack = _APGDRun(model, x_init, y[robust], eps, eps_step)
+        start = attack.project(start, low, high)
+        last = attack.run(start, max_iter, value_range)
+        with torch.no_grad():
+            fooled = model(last).argmax(1) != y[robust]
+        x_adv[robust] = torch.where(_per_sample(fooled, last) > 0, last, start)
+    return x_adv

@@ -293,9 +293,9 @@ _FULL_ATTACKS = [
     AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=10000),
     AttackRun(key="fgm-eps0.03", attack="fgm", params={"eps": 0.03}, n=2000),
     AttackRun(key="bim-eps0.03", attack="bim", params={"eps": 0.03}, n=2000),
-    AttackRun(key="apgd-eps0.03", attack="apgd", params={"eps": 0.03}, n=2000),
+    AttackRun(key="apgd-eps0.03", attack="apgd-batched", params={"eps": 0.03}, n=2000),
     AttackRun(key="bim", attack="bim", params={"eps": 0.1}, n=5000),
-    AttackRun(key="apgd", attack="apgd", params={"eps": 0.1}, n=1500),
+    AttackRun(key="apgd", attack="apgd-batched", params={"eps": 0.1}, n=1500),
     AttackRun(key="cw", attack="cw-batched", params=CPU_CW_PARAMS, n=1000),
     AttackRun(key="deepfool", attack="deepfool-batched", params=CPU_DEEPFOOL_PARAMS, n=1000),
     AttackRun(key="autoattack", attack="autoattack", params={"eps": 0.1}, n=500),
@@ -362,14 +362,18 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
             AttackRun(key="bim-eps0.03", attack="bim", params={"eps": 0.03}, n=1600),
             AttackRun(
                 key="apgd-eps0.03",
-                attack="apgd",
+                attack="apgd-batched",
                 params={"eps": 0.03},
                 n=1650,
                 n_by_model={"vanilla": 500},
             ),
             AttackRun(key="bim", attack="bim", params={"eps": 0.1}, n=2500),
             AttackRun(
-                key="apgd", attack="apgd", params={"eps": 0.1}, n=1250, n_by_model={"vanilla": 500}
+                key="apgd",
+                attack="apgd-batched",
+                params={"eps": 0.1},
+                n=1250,
+                n_by_model={"vanilla": 500},
             ),
             # ART's CW-L2 and DeepFool as batched torch code (same algorithms, tested against
             # ART): CW with CPU_CW_PARAMS ~16x, DeepFool with CPU_DEEPFOOL_PARAMS ~12x cheaper than
