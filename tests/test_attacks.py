@@ -277,7 +277,7 @@ def test_batched_apgd_follows_art_from_the_same_start(
     x, y = to_arrays(load_dataset("fashion-mnist", "test", root=data_root), 24, seed=2)
     monkeypatch.setattr(art_apgd, "random_sphere", lambda n, m, *_: np.zeros((n, m)))
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, 0.5, **kw))
-    params = {"eps": eps, "max_iter": 30}
+    params = {"eps": eps, "max_iter": 30, "nb_random_init": 2}
     art, ours = (
         generate(network, x, y, name, params, batch_size=12, device="cpu", progress=False)
         for name in ("apgd", "apgd-batched")

@@ -425,9 +425,10 @@ def apgd(
     nb_random_init: int,
 ) -> torch.Tensor:
     """Untargeted APGD-CE under L∞ against true labels ``y``: ART's algorithm on one batch. Each
-    restart attacks the images still classified as ``y``, from a uniform random start in the
-    ε-ball; an image whose last iterate fools the network takes it, the others keep their random
-    start, and an image already misclassified comes back unchanged (all as ART)."""
+    restart attacks the images still classified as ``y``, from a uniform random draw in the
+    ε-ball around its previous start (the image at first), projected onto the ε-ball around the
+    image; an image whose last iterate fools the network takes it, the others keep their start,
+    and an image already misclassified comes back unchanged (all as ART)."""
     low, high = value_range
     x_adv = x.clone()
     for _ in range(max(1, nb_random_init)):
@@ -437,7 +438,7 @@ def apgd(
             break
         x_init = x[robust]
         noise = torch.rand(x_init.shape, device=x.device, dtype=x.dtype)
-        start = x_init + (noise * 2 - 1) * eps
+        start = x_adv[robust] + (noise * 2 - 1) * eps  # ART: around the previous start
         attack = _APGDRun(model, x_init, y[robust], eps, eps_step)
         start = attack.project(start, low, high)
         last = attack.run(start, max_iter, value_range)

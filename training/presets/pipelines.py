@@ -278,7 +278,8 @@ def _paper_preset(
 
 # `full`: quick's fast attacks plus every slow one, for an overnight run on 2 CPU cores. Expected
 # time from the per-image costs in benchmarks/RESULTS.md (2 cores, run alone), both networks:
-#   training 7 min; the FGM/BIM/APGD sets (eps 0.1 and 0.03) ~25 min (quick's measured costs);
+#   training 7 min; the FGM/BIM/APGD sets (eps 0.1 and 0.03) ~27 min (quick's measured costs:
+#     BIM 0.038 s/image, APGD as apgd-batched 0.14-0.16 s/image, ART's 0.20-0.25);
 #   CW and DeepFool as cw-batched/deepfool-batched, 1000 images: <= 0.91 h (bounded by ART's CW,
 #     1.79/1.50 s/image on VAN/LAP: the same algorithm, batched) + 0.06 h (DeepFool with
 #     CPU_DEEPFOOL_PARAMS, 0.10-0.11 s/image; ART's 0.82-1.40);
