@@ -412,8 +412,8 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         # (chosen on the training side: benchmarks/RESULTS.md, issue 11, synthetic outliers).
         deploy_synthetic_outliers=1800,
         expected_duration=(
-            "~68 min on 2 CPU cores, alone (training 12, attacks 29, evaluation 25; runs/q39,"
-            " 2026-11-27: 1.31x the issue's preset, 51:30, on the same machine)"
+            "~73 min on 2 CPU cores, alone (training 13, attacks 27, evaluation 31; runs/q40,"
+            " 2026-11-27: 1.21x the issue's preset, 59:57, on the same machine)"
         ),
         not_run=_CPU_NOT_RUN,
     ),
