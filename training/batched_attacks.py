@@ -342,9 +342,17 @@ class _APGDRun:
     come from the same pass (ART evaluates the loss in a second forward)."""
 
     def __init__(
-        self, model: nn.Module, x_init: torch.Tensor, y: torch.Tensor, eps: float, eps_step: float
+        self,
+        model: nn.Module,
+        x_init: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        eps: float,
+        eps_step: float,
+        value_range: tuple[float, float],
     ) -> None:
         self.model, self.x_init, self.y, self.eps = model, x_init, y, eps
+        self.low, self.high = value_range
         self.eta = torch.full((len(x_init),), eps_step, dtype=x_init.dtype, device=x_init.device)
 
     def loss_and_grad(
@@ -359,19 +367,16 @@ class _APGDRun:
             (grad,) = torch.autograd.grad(loss.sum(), x)
         return loss.detach(), grad.sign()
 
-    def project(self, x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> torch.Tensor:
         """Clip to the value range, then onto the ε-ball around the start."""
-        x = x.clamp(low, high)
+        x = x.clamp(self.low, self.high)
         return self.x_init + (x - self.x_init).clamp(-self.eps, self.eps)
 
-    def run(
-        self, x_k: torch.Tensor, max_iter: int, value_range: tuple[float, float]
-    ) -> torch.Tensor:
+    def run(self, x_k: torch.Tensor, max_iter: int) -> torch.Tensor:
         """ART's iterations from the (randomly started) ``x_k``: the last iterate."""
-        low, high = value_range
         checkpoints = apgd_checkpoints(max_iter)
         f_0, grad = self.loss_and_grad(x_k)
-        x_1 = self.project(x_k + _per_sample(self.eta, x_k) * grad, low, high)
+        x_1 = self.project(x_k + _per_sample(self.eta, x_k) * grad)
         f_1, grad = self.loss_and_grad(x_1)
         better = f_1 >= f_0
         count = better.to(x_k.dtype)
@@ -383,9 +388,9 @@ class _APGDRun:
         eta_then, f_max_then = self.eta.clone(), f_0.clone()
         x_prev, x_k = x_k, x_1
         for k in range(1, max_iter):
-            z = self.project(x_k + _per_sample(self.eta, x_k) * grad, low, high)
+            z = self.project(x_k + _per_sample(self.eta, x_k) * grad)
             x_next = x_k + APGD_MOMENTUM * (z - x_k) + (1 - APGD_MOMENTUM) * (x_k - x_prev)
-            x_next = self.project(x_next, low, high)
+            x_next = self.project(x_next)
             f_next, grad = self.loss_and_grad(x_next)
             if bool((f_next == 0).all()):
                 return x_next
@@ -429,7 +434,6 @@ def apgd(
     ε-ball around its previous start (the image at first), projected onto the ε-ball around the
     image; an image whose last iterate fools the network takes it, the others keep their start,
     and an image already misclassified comes back unchanged (all as ART)."""
-    low, high = value_range
     x_adv = x.clone()
     for _ in range(max(1, nb_random_init)):
         with torch.no_grad():
@@ -439,9 +443,11 @@ def apgd(
         x_init = x[robust]
         noise = torch.rand(x_init.shape, device=x.device, dtype=x.dtype)
         start = x_adv[robust] + (noise * 2 - 1) * eps  # ART: around the previous start
-        attack = _APGDRun(model, x_init, y[robust], eps, eps_step)
-        start = attack.project(start, low, high)
-        last = attack.run(start, max_iter, value_range)
+        attack = _APGDRun(
+            model, x_init, y[robust], eps=eps, eps_step=eps_step, value_range=value_range
+        )
+        start = attack.project(start)
+        last = attack.run(start, max_iter)
         with torch.no_grad():
             fooled = model(last).argmax(1) != y[robust]
         x_adv[robust] = torch.where(_per_sample(fooled, last) > 0, last, start)
