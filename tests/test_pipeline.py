@@ -197,10 +197,12 @@ def test_deploy_on_split_seed_0_is_the_shipped_detector_and_another_seed_another
     run = PipelineRun.open(run_dir, root=data_root, progress=False)
     shipped = deploy(run, info["kind"], info["split_seed"])
     assert shipped.calibration.to_dict() == info["calibration"]
-    # Calibrated on the held-out slice and on its own fitting images' held-out scores.
+    # Calibrated on the held-out slice, its own fitting images' held-out scores and the
+    # network's validation images (the smoke network holds back 500 of its training split).
     images = info["calibration_images"]
     assert shipped.calibration_images == images and images["fitting"] > images["slice"] > 0
-    assert info["calibration"]["n"] == images["slice"] + images["fitting"]
+    assert images["validation"] == 500
+    assert info["calibration"]["n"] == images["slice"] + images["fitting"] + images["validation"]
     assert json.loads(json.dumps(shipped.heldout())) == info["heldout"]
     with np.load(run_dir / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
         np.testing.assert_array_equal(shipped.scores["clean"], saved["clean"])

@@ -374,6 +374,23 @@ def test_a_saturated_calibration_is_a_warning_in_the_report(tmp_path: Path) -> N
     assert "**Warning: this threshold is the clean scores' maximum" in deployed
 
 
+def test_the_deployed_section_names_every_source_of_calibration_images(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    info = json.loads((run / "detector" / "deployable.json").read_text())
+    info["calibration_images"] = {"slice": 200, "fitting": 500, "validation": 200}
+    (run / "detector" / "deployable.json").write_text(json.dumps(info))
+    deployed = " ".join(_section(write_report(run).read_text(), "Deployed detector").split())
+    assert (
+        "on 900 clean images (200 of a held-out calibration slice, 200 of the network's own "
+        "validation images, which it never learnt from, and 500 of the detector's own fitting "
+        "images scored by the parts that never saw them" in deployed
+    )
+    info["calibration_images"] = {"slice": 200, "fitting": 700, "validation": 0}
+    (run / "detector" / "deployable.json").write_text(json.dumps(info))
+    deployed = " ".join(_section(write_report(run).read_text(), "Deployed detector").split())
+    assert "validation images" not in deployed and "slice, 700 of the detector's" in deployed
+
+
 def test_learning_curves_table_and_figure(tmp_path: Path) -> None:
     run = make_run(tmp_path)
     report = write_report(run).read_text()

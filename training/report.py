@@ -786,11 +786,17 @@ def _calibration_images(info: Mapping[str, Any], calibration: Mapping[str, Any])
     images = info.get("calibration_images") or {}
     if not images.get("fitting"):
         return f"{calibration.get('n', '?')} held-out clean training-side images"
+    validation = (
+        f"{images['validation']} of the network's own validation images, which it never learnt "
+        "from, and "
+        if images.get("validation")
+        else ""
+    )
     return (
-        f"{calibration.get('n', '?')} clean training-side images ({images.get('slice', '?')} of "
-        f"a held-out calibration slice, {images['fitting']} of its own fitting images scored by "
-        "the parts that never saw them: out-of-bag forest votes and the nearest clean image of "
-        "another source)"
+        f"{calibration.get('n', '?')} clean images ({images.get('slice', '?')} of a held-out "
+        f"calibration slice, {validation}{images['fitting']} of the detector's own fitting "
+        "images scored by the parts that never saw them: out-of-bag forest votes and the nearest "
+        "clean image of another source)"
     )
 
 

@@ -221,15 +221,24 @@ def _load_checkpoint(
     return state
 
 
+def train_and_validation_sets(config: TrainConfig, full_train: Dataset) -> tuple[Dataset, Dataset]:
+    """What a network of ``config`` learns from and what it holds back to validate on, both
+    from its data set's training split ``full_train``: a seeded ``val_fraction`` is held back;
+    with ``train_subset``, that many images are learnt from and a tenth as many held back."""
+    learnt, held_back = train_val_split(full_train, config.val_fraction, config.seed)
+    train_set = subset(learnt, config.train_subset, config.seed)
+    val_set: Dataset = held_back
+    if config.train_subset is not None:
+        val_set = subset(held_back, max(config.train_subset // 10, 1), config.seed)
+    return train_set, val_set
+
+
 def _loaders(
     config: TrainConfig, root: str | Path | None, world_size: int = 1
 ) -> tuple[DataLoader, DataLoader, DataLoader, list[str]]:
     full_train = load_dataset(config.dataset, "train", root=root, verify=config.verify_data)
     names = class_names(config.dataset, full_train)
-    train_set, val_set = train_val_split(full_train, config.val_fraction, config.seed)
-    train_set = subset(train_set, config.train_subset, config.seed)
-    if config.train_subset is not None:
-        val_set = subset(val_set, max(config.train_subset // 10, 1), config.seed)
+    train_set, val_set = train_and_validation_sets(config, full_train)
     test_set: Dataset = subset(
         load_dataset(config.dataset, "test", root=root, verify=config.verify_data),
         config.test_subset,
