@@ -18,7 +18,8 @@ replaced for the measurement only; ``a+b`` applies both:
 
 One row per split seed as ``deployed_spread.py`` prints it, then mean, std and min. It reads
 the test side of every split to report it: nothing here is chosen on these rows. Each variant's
-seeds are kept in ``RUN/deployed_variants.json``, so an interrupted run resumes.
+seeds are kept in ``RUN/deployed_variants.json`` with the recipe they changed (``RECIPE``), so an
+interrupted run resumes and a row of an older recipe is measured again.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from deployed_spread import measure, spread_table  # noqa: E402
 
 VALIDATION_INDEX_OFFSET = 1_000_000  # source indices of validation images: never a test index
+# The shipped recipe the variants change; a kept row measured against another is measured again.
+RECIPE = "calibrated on the slice, the network's validation images and the fitting images"
 
 
 def validation_clean(run: PipelineRun, name: str) -> Samples:
     """Network ``name``'s validation images (``training.deployable.validation_images``'s, in a
     seeded order) with their features, for the fitting variant."""
     config = read_train_config(run.dir.model_dir(name).train_config_file)
-    full = load_dataset(run.config.dataset, "train", root=run.root, verify=config.verify_data)
+    full = load_dataset(config.dataset, "train", root=run.root, verify=config.verify_data)
     _, held_back = train_and_validation_sets(config, full)
     images, _ = to_arrays(held_back, len(held_back), seed=0)  # type: ignore[arg-type]
     indices = VALIDATION_INDEX_OFFSET + np.arange(len(images))
@@ -150,10 +153,10 @@ def main() -> None:
     by_variant: dict[str, dict[str, Any]] = artefacts.read_json(out) if out.is_file() else {}
     for variant in args.variants:
         rows = by_variant.setdefault(variant, {})
-        missing = [seed for seed in args.seeds if str(seed) not in rows]
+        missing = [s for s in args.seeds if rows.get(str(s), {}).get("recipe") != RECIPE]
         with replaced(variant_steps(run, variant) if missing else {}):
             for seed in missing:
-                rows[str(seed)] = measure(run, detector, seed)
+                rows[str(seed)] = measure(run, detector, seed) | {"recipe": RECIPE}
                 artefacts.write_json(out, by_variant)
                 print(f"{variant}, seed {seed}: {json.dumps(rows[str(seed)]['rates'])}", flush=True)
     for variant in args.variants:

@@ -388,7 +388,15 @@ def test_the_deployed_section_names_every_source_of_calibration_images(tmp_path:
     info["calibration_images"] = {"slice": 200, "fitting": 700, "validation": 0}
     (run / "detector" / "deployable.json").write_text(json.dumps(info))
     deployed = " ".join(_section(write_report(run).read_text(), "Deployed detector").split())
-    assert "validation images" not in deployed and "slice, 700 of the detector's" in deployed
+    assert "validation images" not in deployed and "slice and 700 of the detector's" in deployed
+    # A detector without held-out scores of its own (no fitting images): slice and validation.
+    info["calibration_images"] = {"slice": 200, "validation": 700}
+    (run / "detector" / "deployable.json").write_text(json.dumps(info))
+    deployed = " ".join(_section(write_report(run).read_text(), "Deployed detector").split())
+    assert (
+        "on 900 clean images (200 of a held-out calibration slice and 700 of the network's own "
+        "validation images, which it never learnt from)" in deployed
+    )
 
 
 def test_learning_curves_table_and_figure(tmp_path: Path) -> None:

@@ -111,8 +111,9 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
     (every deploy attack in equal shares, :func:`equal_shares`, each row marked with its attack
     family: the ensemble also fits one forest set per family; with the config's synthetic
     outliers for the ensemble), in the feature set chosen for that network; calibrate it at the
-    config's target FPR (with its confidence) on the split's calibration clean images and its
-    own clean fitting images' held-out scores (:func:`calibration_clean_scores`); and score
+    config's target FPR (with its confidence) on the split's calibration clean images, the
+    network's own validation images and its own clean fitting images' held-out scores
+    (:func:`calibration_clean_scores`); and score
     the held-out side of every attack set and every OOD set, all through the Guard."""
     if detector not in deployable_detectors():
         raise ConfigError(

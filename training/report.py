@@ -784,20 +784,25 @@ def _calibration_note(
 def _calibration_images(info: Mapping[str, Any], calibration: Mapping[str, Any]) -> str:
     """Which clean images the threshold was calibrated on (deployable.json's counts)."""
     images = info.get("calibration_images") or {}
-    if not images.get("fitting"):
+    if not images.get("fitting") and not images.get("validation"):
         return f"{calibration.get('n', '?')} held-out clean training-side images"
-    validation = (
-        f"{images['validation']} of the network's own validation images, which it never learnt "
-        "from, and "
-        if images.get("validation")
-        else ""
+    sources = [f"{images.get('slice', '?')} of a held-out calibration slice"]
+    if images.get("validation"):
+        sources.append(
+            f"{images['validation']} of the network's own validation images, which it never "
+            "learnt from"
+        )
+    if images.get("fitting"):
+        sources.append(
+            f"{images['fitting']} of the detector's own fitting images scored by the parts that "
+            "never saw them: out-of-bag forest votes and the nearest clean image of another source"
+        )
+    listed = (
+        ", ".join(sources[:-1]) + f", and {sources[-1]}"
+        if len(sources) > 2
+        else " and ".join(sources)
     )
-    return (
-        f"{calibration.get('n', '?')} clean images ({images.get('slice', '?')} of a held-out "
-        f"calibration slice, {validation}{images['fitting']} of the detector's own fitting "
-        "images scored by the parts that never saw them: out-of-bag forest votes and the nearest "
-        "clean image of another source)"
-    )
+    return f"{calibration.get('n', '?')} clean images ({listed})"
 
 
 def _saturation_note(calibration: Mapping[str, Any]) -> str:
