@@ -36,11 +36,9 @@ import numpy as np
 
 import training.deployable as deployable
 from detector import artefacts
-from training.config import read_train_config
-from training.data import load_dataset, to_arrays
+from training.data import to_arrays
 from training.experiments import Samples, concat
 from training.pipeline import PipelineRun, add_precomputed
-from training.trainer import train_and_validation_sets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from deployed_spread import measure, spread_table  # noqa: E402
@@ -51,11 +49,9 @@ RECIPE = "calibrated on the slice, the network's validation images and the fitti
 
 
 def validation_clean(run: PipelineRun, name: str) -> Samples:
-    """Network ``name``'s validation images (``training.deployable.validation_images``'s, in a
-    seeded order) with their features, for the fitting variant."""
-    config = read_train_config(run.dir.model_dir(name).train_config_file)
-    full = load_dataset(config.dataset, "train", root=run.root, verify=config.verify_data)
-    _, held_back = train_and_validation_sets(config, full)
+    """Network ``name``'s validation images (``training.deployable.validation_set``, in a seeded
+    order) with their features, for the fitting variant."""
+    held_back = deployable.validation_set(run, name)
     images, _ = to_arrays(held_back, len(held_back), seed=0)  # type: ignore[arg-type]
     indices = VALIDATION_INDEX_OFFSET + np.arange(len(images))
     return run.image_samples(name, f"validation-clean-{len(images)}", images, indices)

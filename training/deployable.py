@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch.utils.data import Dataset
 
 from detector import artefacts
 from detector.base import Detector
@@ -197,15 +198,20 @@ def calibration_clean_scores(
     return scores
 
 
-def validation_images(run: PipelineRun, name: str) -> np.ndarray:
-    """Network ``name``'s validation images (:func:`training.trainer.train_and_validation_sets`
-    of its ``train_config.json``): clean images of its training split that it held back, never
-    learnt from, and no detector is fitted on; none when it held none back."""
+def validation_set(run: PipelineRun, name: str) -> Dataset:
+    """Network ``name``'s validation set (:func:`training.trainer.train_and_validation_sets` of
+    its ``train_config.json``): clean images of its training split that it held back, never
+    learnt from, and no detector is fitted on."""
     config = read_train_config(run.dir.model_dir(name).train_config_file)
     full_train = load_dataset(config.dataset, "train", root=run.root, verify=config.verify_data)
-    _, held_back = train_and_validation_sets(config, full_train)
+    return train_and_validation_sets(config, full_train)[1]
+
+
+def validation_images(run: PipelineRun, name: str) -> np.ndarray:
+    """:func:`validation_set`'s images in its order; an empty array when it held none back."""
+    held_back = validation_set(run, name)
     if not len(held_back):  # type: ignore[arg-type]
-        return np.empty((0, *run.test_images(name)[0].shape[1:]), np.float32)
+        return np.empty(0, np.float32)
     return to_arrays(held_back)[0]
 
 
