@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from detector.calibration import calibrate_threshold
+from detector.errors import InputError
 from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
 from detector.quantile import QuantileDetector
@@ -175,6 +176,49 @@ def test_the_ood_protocol_fits_on_clean_images_from_the_whole_training_side(worl
     assert len(first) == n_abnormal == train_side[:120].sum()
     assert (first >= 120).any() and train_side[first].all()
     np.testing.assert_array_equal(first, second)
+
+
+def test_the_ood_protocol_takes_as_many_clean_rows_per_abnormal_row_as_asked(world) -> None:
+    """``ood_clean_ratio`` 2: every CW training row against twice as many clean rows of the whole
+    training side; where the clean side has no more rows than the attack (FGM covers every
+    source image) the seed's balanced rows; 1 draws the seed's balanced rows, as the default."""
+    clean, attacks, ood = world
+    fitted: list[tuple[str, np.ndarray, int]] = []
+
+    class Recording(TransportDetector):
+        def fit_samples(self, clean: Samples, abnormal: Samples) -> TransportDetector:  # type: ignore[override]
+            fitted.append((abnormal.name, clean.indices.copy(), len(abnormal)))
+            return super().fit_samples(clean, abnormal)
+
+    def fits(**ratio: float) -> list[tuple[str, np.ndarray, int]]:
+        fitted.clear()
+        run_protocols(
+            model="lap",
+            clean=clean,
+            attacks=attacks,
+            ood_sets=ood,
+            seen=[],
+            detectors=[Recording(n_estimators=5)],
+            unseen_train=None,
+            ood_train=["cw", "fgm"],
+            seeds=[0],
+            progress=False,
+            **ratio,
+        )
+        return list(fitted)
+
+    split = Split(0, 0.1, 400)
+    train_side = ~split.is_test & ~split.is_calibration
+    (_, cw_clean, n_cw), (_, fgm_clean, n_fgm) = fits(ood_clean_ratio=2.0)
+    assert n_cw == train_side[:120].sum() and len(cw_clean) == 2 * n_cw
+    assert train_side[cw_clean].all() and len(np.unique(cw_clean)) == len(cw_clean)
+    assert len(fgm_clean) == n_fgm == train_side.sum()
+    default, balanced = fits(), fits(ood_clean_ratio=1.0)
+    for (_, a, n_a), (_, b, n_b) in zip(default, balanced, strict=True):
+        assert n_a == n_b and len(a) == n_a
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(InputError, match="clean_ratio must be >= 1"):
+        fits(ood_clean_ratio=0.5)
 
 
 def test_every_detector_is_tested_on_the_same_ood_rows_whatever_ran_before_it(world) -> None:

@@ -247,6 +247,18 @@ def test_report_tolerates_no_ood_rows_and_no_scores(tmp_path: Path) -> None:
         assert (run / link).read_bytes()[:8] == PNG_MAGIC
 
 
+def test_the_ood_section_says_how_many_clean_images_each_detector_learned_from(
+    tmp_path: Path,
+) -> None:
+    run = make_run(tmp_path)
+    section = _section(write_report(run).read_text(), "Out-of-distribution")
+    assert "and as many clean images drawn from the whole training side" in section
+    config = json.loads((run / "pipeline_config.json").read_text())
+    (run / "pipeline_config.json").write_text(json.dumps({**config, "ood_clean_ratio": 4.0}))
+    section = _section(write_report(run).read_text(), "Out-of-distribution")
+    assert "and up to 4 times as many clean images drawn from the whole training side" in section
+
+
 def test_report_without_results_says_what_to_run(tmp_path: Path) -> None:
     with pytest.raises(ArtefactError, match="lapguard evaluate"):
         write_report(tmp_path)

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from detector.artefacts import save_npz
 from detector.base import Detector
 from detector.calibration import calibrate_threshold
+from detector.errors import InputError
 from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
 from detector.novelty import EnsembleDetector
@@ -149,12 +150,17 @@ class Outcome:
     scores: np.ndarray
 
 
-def _balanced(
-    clean: Samples, abnormal: Samples, rng: np.random.Generator
+def balanced_draw(
+    clean: Samples, abnormal: Samples, rng: np.random.Generator, clean_ratio: float = 1.0
 ) -> tuple[Samples, Samples]:
-    """Trim the larger side so both have the same count (the seed's balanced sets)."""
-    n = min(len(clean), len(abnormal))
-    return clean.subsample(n, rng), abnormal.subsample(n, rng)
+    """Trim the larger side to the smaller one's count (the seed's balanced sets), then draw up
+    to ``clean_ratio`` clean rows per abnormal row where the clean side has more (1: the seed's
+    draws; the family forests' ``family_clean_ratio`` rule)."""
+    if not clean_ratio >= 1:
+        raise InputError(f"clean_ratio must be >= 1, got {clean_ratio}")
+    n_abnormal = min(len(clean), len(abnormal))
+    n_clean = min(len(clean), int(round(clean_ratio * n_abnormal)))
+    return clean.subsample(n_clean, rng), abnormal.subsample(n_abnormal, rng)
 
 
 @dataclass
@@ -205,6 +211,7 @@ def run_protocols(
     test_fraction: float = 0.1,
     target_fpr: float = 0.05,
     noisy_copies: Samples | None = None,
+    ood_clean_ratio: float = 1.0,
     progress: bool = True,
 ) -> list[ExperimentRecord]:
     """Run seen, unseen and OOD experiments for every detector over ``seeds``.
@@ -213,11 +220,12 @@ def run_protocols(
     fit uses ``prototype.with_seed(seed)`` through the one contract (``fit_samples`` /
     ``score_samples``). ``attacks`` and ``clean`` rows carry test-image indices; ``ood_sets`` are
     external (their rows are split by position). ``noisy_copies`` (noised clean images,
-    labelled clean) are added to the training side when given.
+    labelled clean) are added to the training side when given. ``ood_clean_ratio``: clean
+    training rows per abnormal row in the OOD protocol (1: the seed's balanced sets).
     """
     universe = index_universe(clean, attacks)
     per_seed = len(seen) + (1 if unseen_train else 0) + len(ood_train)
-    protocols = _Protocols(model, attacks, ood_sets, target_fpr)
+    protocols = _Protocols(model, attacks, ood_sets, target_fpr, ood_clean_ratio)
     with tqdm(
         total=len(seeds) * len(detectors) * per_seed,
         desc=f"detection experiments ({model})",
@@ -296,6 +304,7 @@ class _Protocols:
     attacks: dict[str, Samples]
     ood_sets: dict[str, Samples]
     target_fpr: float
+    ood_clean_ratio: float = 1.0
     records: dict[tuple[str, str, str, str], ExperimentRecord] = field(default_factory=dict)
     forests: dict[tuple[Any, ...], TransportDetector] = field(default_factory=dict)
 
@@ -382,15 +391,21 @@ class _Protocols:
         clean test rows come from. An attack's own source images would not do: CW and APGD sets
         leave out the images the network already misclassifies
         (:func:`training.pipeline.perturbed`), so a detector fitted on their sources never saw a
-        low-margin clean image, and flags the test side's."""
+        low-margin clean image, and flags the test side's. With ``ood_clean_ratio`` > 1 it gets
+        up to that many clean rows per abnormal row: fitted on a few hundred CW images against as many
+        clean ones, its forests learn clean from too few images and flag the network's own
+        low-margin ones (the family forests' ``family_clean_ratio``, the same lesson)."""
         if train_key in self.attacks:
             source = self.attacks[train_key]
             train_abnormal = sides.split.train(source)
         else:
             source = self.ood_sets[train_key]
             train_abnormal = _positional_half(source, sides.seed, first=True)
-        train_clean, train_abnormal = _balanced(
-            sides.train_clean, train_abnormal, np.random.default_rng(sides.seed)
+        train_clean, train_abnormal = balanced_draw(
+            sides.train_clean,
+            train_abnormal,
+            np.random.default_rng(sides.seed),
+            self.ood_clean_ratio,
         )
         detector = self._fit(prototype, sides, train_clean, train_abnormal)
         calibrated = calibrated_threshold(detector, sides.calibration_clean, self.target_fpr)
@@ -398,7 +413,7 @@ class _Protocols:
             if test_key == train_key:
                 continue
             test_ood = _positional_half(ood, sides.seed, first=False) if ood is source else ood
-            test_clean, test_ood = _balanced(
+            test_clean, test_ood = balanced_draw(
                 sides.test_clean, test_ood, _test_draw(sides.seed, train_key, test_key)
             )
             outcome = self._evaluate(detector, sides, test_clean, test_ood, calibrated)

@@ -322,6 +322,7 @@ def evaluate(run: PipelineRun) -> dict[str, Any]:
                 noisy_copies=_noisy_copies(run, name, group[0])
                 if run.config.noisy_copies
                 else None,
+                ood_clean_ratio=run.config.ood_clean_ratio,
                 progress=run.progress,
             )
             save_first_scores(records, run.dir.scores)

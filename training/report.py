@@ -585,7 +585,11 @@ def security_section(detection: Sequence[Record], rows: Sequence[tuple[str, str]
     return lines
 
 
-def ood_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> list[str]:
+def ood_section(
+    records: Sequence[Record], rows: Sequence[tuple[str, str]], clean_ratio: float = 1.0
+) -> list[str]:
+    """The OOD protocol's tables; ``clean_ratio``: the clean training images per abnormal one
+    (the run's ``ood_clean_ratio``)."""
     lines = ["## Out-of-distribution (seed tables 14–15)", ""]
     if not records:
         return lines + [f"OOD protocol: {NOT_RUN}.", ""]
@@ -597,9 +601,10 @@ def ood_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> l
     labels = [
         f"{set_label(tr)} → {set_label(te)}{' (seen)' if tr == te else ''}" for tr, te in pairs
     ]
+    many = "as many clean" if clean_ratio == 1 else f"up to {clean_ratio:g} times as many clean"
     lines += [
-        "Train against one abnormal set (left of →) and as many clean images drawn from the whole"
-        " training side, test on another (right) and the clean test images; "
+        f"Train against one abnormal set (left of →) and {many} images drawn from the whole"
+        " training side, test on another (right) against as many clean test images; "
         f"{_runs_note(records)}.",
         "",
     ]
@@ -1177,7 +1182,7 @@ def write_report(run_dir: Path) -> Path:
         *summary_section(detection, ood, rows),
         *seen_section([r for r in detection if r["setting"] == "seen"], rows),
         *unseen_section([r for r in detection if r["setting"] == "unseen"], rows),
-        *ood_section(ood, rows),
+        *ood_section(ood, rows, float(config.get("ood_clean_ratio", 1.0))),
         *security_section(detection, rows),
         *deployed_section(run_dir, config, detection),
         *adaptive_section(results, run_dir),

@@ -1,0 +1,67 @@
+"""How many clean images the OOD protocol's detector should learn clean from, measured on the
+TRAINING side of a finished run only.
+
+    .venv/bin/python benchmarks/ood_clean_ratio.py runs/quick
+
+The OOD protocol fits its detector against one abnormal set and clean images drawn from the whole
+training side (``training.experiments.balanced_draw``): as many as the abnormal rows in the seed,
+up to ``ood_clean_ratio`` per abnormal row in the quick and full presets. An attack of a few
+hundred images (CW) then leaves the forests a few hundred clean images to learn clean from. This
+script cuts the deploy network's seed-0 training side as ``ensemble_parts.py`` does (a validation
+quarter held out; the test side is never read) and, per training set of the config's OOD protocol
+and per ratio, fits the ensemble on the fit part's attacked images and clean images drawn as the
+protocol draws them. Cells, at the ensemble's decision 0.5: the validation clean FPR (%), each
+other attack's balanced accuracy against every validation clean image (the unseen analog), their
+mean and lowest, and the three training-side OOD stand-ins (inverted, rot90, shuffled). An OOD
+set flagged in full scores (2 - clean FPR) / 2. Chooses nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from detector.novelty import FAMILY_CLEAN_RATIO, EnsembleDetector
+from training.experiments import Samples, balanced_draw
+from training.pipeline import add_precomputed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ensemble_parts import ood_proxies, training_side  # noqa: E402
+
+RATIOS = (1.0, 2.0, FAMILY_CLEAN_RATIO)
+
+
+def accuracy_cells(detector: EnsembleDetector, clean: Samples, sets: list[Samples]) -> list[str]:
+    """``clean``'s FPR at 0.5 (%) and each set's balanced accuracy against it."""
+    fpr = float(np.mean(detector.score_samples(clean) > 0.5))
+    flagged = [float(np.mean(detector.score_samples(rows) > 0.5)) for rows in sets]
+    return [f"{100 * fpr:.2f}", *(f"{100 * (f + 1 - fpr) / 2:.1f}" for f in flagged)]
+
+
+def main() -> None:
+    run, name, data, fit, val = training_side(__doc__.splitlines()[0])
+    add_precomputed(run, name, EnsembleDetector(), [data.clean, *data.attacks.values()])
+    proxies = ood_proxies(run, name, val(data.clean))
+    clean_fit, clean_val = fit(data.clean), val(data.clean)
+    for train in (k for k in run.config.ood_train if k in data.attacks):
+        attacked = fit(data.attacks[train])
+        others = [k for k in data.attacks if k != train]
+        header = ["clean rows per row", "clean rows", "validation clean FPR", *others]
+        header += ["mean", "lowest", *proxies]
+        print(f"\nEnsemble on {train} ({len(attacked)} fit-part images), decision 0.5:\n")
+        print("| " + " | ".join(header) + " |\n|---" + "|---:" * (len(header) - 1) + "|")
+        for ratio in RATIOS:
+            clean, abnormal = balanced_draw(clean_fit, attacked, np.random.default_rng(0), ratio)
+            detector = EnsembleDetector(n_jobs=-1).fit_samples(clean, abnormal)
+            sets = [val(data.attacks[k]) for k in others] + list(proxies.values())
+            cells = accuracy_cells(detector, clean_val, sets)
+            attacks = [float(c) for c in cells[1 : 1 + len(others)]]
+            row = [f"{ratio:g}", str(len(clean)), cells[0], *cells[1 : 1 + len(others)]]
+            row += [f"{np.mean(attacks):.1f}", f"{min(attacks):.1f}", *cells[1 + len(others) :]]
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
