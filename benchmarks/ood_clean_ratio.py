@@ -5,8 +5,9 @@ TRAINING side of a finished run only.
 
 The OOD protocol fits its detector against one abnormal set and clean images drawn from the whole
 training side (``training.experiments.balanced_draw``): as many as the abnormal rows in the seed,
-up to ``ood_clean_ratio`` per abnormal row in the quick and full presets. An attack of a few
-hundred images (CW) then leaves the forests a few hundred clean images to learn clean from. This
+up to ``ood_clean_ratio`` per abnormal row (None, the quick and full presets': every clean image
+of the training side). With as many, an attack of a few hundred images (CW) leaves the forests a
+few hundred clean images to learn clean from. This
 script cuts the deploy network's seed-0 training side as ``ensemble_parts.py`` does (a validation
 quarter held out; the test side is never read) and, per training set of the config's OOD protocol
 and per ratio, fits the ensemble on the fit part's attacked images and clean images drawn as the
@@ -30,7 +31,7 @@ from training.pipeline import add_precomputed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import ood_proxies, training_side  # noqa: E402
 
-RATIOS = (1.0, 2.0, FAMILY_CLEAN_RATIO)
+RATIOS = (1.0, 2.0, FAMILY_CLEAN_RATIO, 8.0, None)  # None: every clean image
 
 
 def accuracy_cells(detector: EnsembleDetector, clean: Samples, sets: list[Samples]) -> list[str]:
@@ -58,7 +59,8 @@ def main() -> None:
             sets = [val(data.attacks[k]) for k in others] + list(proxies.values())
             cells = accuracy_cells(detector, clean_val, sets)
             attacks = [float(c) for c in cells[1 : 1 + len(others)]]
-            row = [f"{ratio:g}", str(len(clean)), cells[0], *cells[1 : 1 + len(others)]]
+            every = "every" if ratio is None else f"{ratio:g}"
+            row = [every, str(len(clean)), cells[0], *cells[1 : 1 + len(others)]]
             row += [f"{np.mean(attacks):.1f}", f"{min(attacks):.1f}", *cells[1 + len(others) :]]
             print("| " + " | ".join(row) + " |", flush=True)
 

@@ -181,7 +181,8 @@ def test_the_ood_protocol_fits_on_clean_images_from_the_whole_training_side(worl
 def test_the_ood_protocol_takes_as_many_clean_rows_per_abnormal_row_as_asked(world) -> None:
     """``ood_clean_ratio`` 2: every CW training row against twice as many clean rows of the whole
     training side; where the clean side has no more rows than the attack (FGM covers every
-    source image) the seed's balanced rows; 1 draws the seed's balanced rows, as the default."""
+    source image) the seed's balanced rows; None: every clean training row; 1 draws the seed's
+    balanced rows, as the default."""
     clean, attacks, ood = world
     fitted: list[tuple[str, np.ndarray, int]] = []
 
@@ -213,11 +214,13 @@ def test_the_ood_protocol_takes_as_many_clean_rows_per_abnormal_row_as_asked(wor
     assert n_cw == train_side[:120].sum() and len(cw_clean) == 2 * n_cw
     assert train_side[cw_clean].all() and len(np.unique(cw_clean)) == len(cw_clean)
     assert len(fgm_clean) == n_fgm == train_side.sum()
+    (_, cw_every, _), (_, fgm_every, _) = fits(ood_clean_ratio=None)
+    assert len(cw_every) == len(fgm_every) == train_side.sum()
     default, balanced = fits(), fits(ood_clean_ratio=1.0)
     for (_, a, n_a), (_, b, n_b) in zip(default, balanced, strict=True):
         assert n_a == n_b and len(a) == n_a
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(InputError, match="clean_ratio must be >= 1"):
+    with pytest.raises(InputError, match="clean_ratio must be >= 1 or None"):
         fits(ood_clean_ratio=0.5)
 
 

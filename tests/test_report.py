@@ -254,9 +254,12 @@ def test_the_ood_section_says_how_many_clean_images_each_detector_learned_from(
     section = _section(write_report(run).read_text(), "Out-of-distribution")
     assert "and as many clean images drawn from the whole training side" in section
     config = json.loads((run / "pipeline_config.json").read_text())
-    (run / "pipeline_config.json").write_text(json.dumps({**config, "ood_clean_ratio": 4.0}))
-    section = _section(write_report(run).read_text(), "Out-of-distribution")
-    assert "and up to 4 times as many clean images drawn from the whole training side" in section
+    for ratio, says in (
+        (4.0, "and up to 4 times as many clean images drawn from the whole training side"),
+        (None, "and every clean image of the whole training side"),
+    ):
+        (run / "pipeline_config.json").write_text(json.dumps({**config, "ood_clean_ratio": ratio}))
+        assert says in _section(write_report(run).read_text(), "Out-of-distribution")
 
 
 def test_report_without_results_says_what_to_run(tmp_path: Path) -> None:

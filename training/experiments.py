@@ -151,15 +151,19 @@ class Outcome:
 
 
 def balanced_draw(
-    clean: Samples, abnormal: Samples, rng: np.random.Generator, clean_ratio: float = 1.0
+    clean: Samples,
+    abnormal: Samples,
+    rng: np.random.Generator,
+    clean_ratio: float | None = 1.0,
 ) -> tuple[Samples, Samples]:
-    """Trim the larger side to the smaller one's count (the seed's balanced sets), then draw up
-    to ``clean_ratio`` clean rows per abnormal row where the clean side has more (1: the seed's
-    draws; the family forests' ``family_clean_ratio`` rule)."""
-    if not clean_ratio >= 1:
-        raise InputError(f"clean_ratio must be >= 1, got {clean_ratio}")
+    """Trim the larger side to the smaller one's count (the seed's balanced sets, ``clean_ratio``
+    1), then draw up to ``clean_ratio`` clean rows per abnormal row where the clean side has more
+    (None: every clean row)."""
+    if clean_ratio is not None and not clean_ratio >= 1:
+        raise InputError(f"clean_ratio must be >= 1 or None, got {clean_ratio}")
     n_abnormal = min(len(clean), len(abnormal))
-    n_clean = min(len(clean), int(round(clean_ratio * n_abnormal)))
+    n_clean = len(clean) if clean_ratio is None else int(round(clean_ratio * n_abnormal))
+    n_clean = min(len(clean), n_clean)
     return clean.subsample(n_clean, rng), abnormal.subsample(n_abnormal, rng)
 
 
@@ -211,7 +215,7 @@ def run_protocols(
     test_fraction: float = 0.1,
     target_fpr: float = 0.05,
     noisy_copies: Samples | None = None,
-    ood_clean_ratio: float = 1.0,
+    ood_clean_ratio: float | None = 1.0,
     progress: bool = True,
 ) -> list[ExperimentRecord]:
     """Run seen, unseen and OOD experiments for every detector over ``seeds``.
@@ -220,8 +224,9 @@ def run_protocols(
     fit uses ``prototype.with_seed(seed)`` through the one contract (``fit_samples`` /
     ``score_samples``). ``attacks`` and ``clean`` rows carry test-image indices; ``ood_sets`` are
     external (their rows are split by position). ``noisy_copies`` (noised clean images,
-    labelled clean) are added to the training side when given. ``ood_clean_ratio``: clean
-    training rows per abnormal row in the OOD protocol (1: the seed's balanced sets).
+    labelled clean) are added to the training side when given. ``ood_clean_ratio``: up to that
+    many clean training rows per abnormal row in the OOD protocol (1: the seed's balanced sets;
+    None: every clean training row).
     """
     universe = index_universe(clean, attacks)
     per_seed = len(seen) + (1 if unseen_train else 0) + len(ood_train)
@@ -304,7 +309,7 @@ class _Protocols:
     attacks: dict[str, Samples]
     ood_sets: dict[str, Samples]
     target_fpr: float
-    ood_clean_ratio: float = 1.0
+    ood_clean_ratio: float | None = 1.0
     records: dict[tuple[str, str, str, str], ExperimentRecord] = field(default_factory=dict)
     forests: dict[tuple[Any, ...], TransportDetector] = field(default_factory=dict)
 
@@ -391,10 +396,10 @@ class _Protocols:
         clean test rows come from. An attack's own source images would not do: CW and APGD sets
         leave out the images the network already misclassifies
         (:func:`training.pipeline.perturbed`), so a detector fitted on their sources never saw a
-        low-margin clean image, and flags the test side's. With ``ood_clean_ratio`` > 1 it gets
-        up to that many clean rows per abnormal row: fitted on a few hundred CW images against as many
-        clean ones, its forests learn clean from too few images and flag the network's own
-        low-margin ones (the family forests' ``family_clean_ratio``, the same lesson)."""
+        low-margin clean image, and flags the test side's. With ``ood_clean_ratio`` > 1 (or None:
+        every clean training row) it gets more clean rows than abnormal ones: fitted on a few
+        hundred CW images against as many clean ones, its forests learn clean from too few
+        images and flag the network's own low-margin ones (``benchmarks/ood_clean_ratio.py``)."""
         if train_key in self.attacks:
             source = self.attacks[train_key]
             train_abnormal = sides.split.train(source)

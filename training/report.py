@@ -586,10 +586,10 @@ def security_section(detection: Sequence[Record], rows: Sequence[tuple[str, str]
 
 
 def ood_section(
-    records: Sequence[Record], rows: Sequence[tuple[str, str]], clean_ratio: float = 1.0
+    records: Sequence[Record], rows: Sequence[tuple[str, str]], clean_ratio: float | None = 1.0
 ) -> list[str]:
-    """The OOD protocol's tables; ``clean_ratio``: the clean training images per abnormal one
-    (the run's ``ood_clean_ratio``)."""
+    """The OOD protocol's tables; ``clean_ratio``: up to how many clean training images per
+    abnormal one (the run's ``ood_clean_ratio``; None: every one)."""
     lines = ["## Out-of-distribution (seed tables 14–15)", ""]
     if not records:
         return lines + [f"OOD protocol: {NOT_RUN}.", ""]
@@ -601,9 +601,14 @@ def ood_section(
     labels = [
         f"{set_label(tr)} → {set_label(te)}{' (seen)' if tr == te else ''}" for tr, te in pairs
     ]
-    many = "as many clean" if clean_ratio == 1 else f"up to {clean_ratio:g} times as many clean"
+    if clean_ratio is None:
+        clean = "every clean image of"
+    elif clean_ratio == 1:
+        clean = "as many clean images drawn from"
+    else:
+        clean = f"up to {clean_ratio:g} times as many clean images drawn from"
     lines += [
-        f"Train against one abnormal set (left of →) and {many} images drawn from the whole"
+        f"Train against one abnormal set (left of →) and {clean} the whole"
         " training side, test on another (right) against as many clean test images; "
         f"{_runs_note(records)}.",
         "",
@@ -1182,7 +1187,7 @@ def write_report(run_dir: Path) -> Path:
         *summary_section(detection, ood, rows),
         *seen_section([r for r in detection if r["setting"] == "seen"], rows),
         *unseen_section([r for r in detection if r["setting"] == "unseen"], rows),
-        *ood_section(ood, rows, float(config.get("ood_clean_ratio", 1.0))),
+        *ood_section(ood, rows, config.get("ood_clean_ratio", 1.0)),
         *security_section(detection, rows),
         *deployed_section(run_dir, config, detection),
         *adaptive_section(results, run_dir),
