@@ -110,13 +110,19 @@ def sources(clean: Samples, attacked: Samples) -> Samples:
     return clean.take(np.isin(clean.indices, attacked.indices))
 
 
+def balanced_accuracies(
+    detector: Detector, clean: Samples, sets: list[Samples]
+) -> tuple[float, list[float]]:
+    """``clean``'s FPR at the decision 0.5 (%) and each set's balanced accuracy against it (%)."""
+    fpr = float(np.mean(detector.score_samples(clean) > 0.5))
+    flagged = [float(np.mean(detector.score_samples(rows) > 0.5)) for rows in sets]
+    return 100 * fpr, [100 * (f + 1 - fpr) / 2 for f in flagged]
+
+
 def unseen_cells(detector: Detector, clean: Samples, attacks: list[Samples]) -> list[str]:
     """Cells: ``clean``'s FPR at 0.5 (%), each attack's balanced accuracy against it, their mean."""
-    fpr = float(np.mean(detector.score_samples(clean) > 0.5))
-    accuracy = [
-        100 * (float(np.mean(detector.score_samples(rows) > 0.5)) + 1 - fpr) / 2 for rows in attacks
-    ]
-    return [f"{100 * fpr:.2f}", *(f"{a:.1f}" for a in accuracy), f"{np.mean(accuracy):.1f}"]
+    fpr, accuracy = balanced_accuracies(detector, clean, attacks)
+    return [f"{fpr:.2f}", *(f"{a:.1f}" for a in accuracy), f"{np.mean(accuracy):.1f}"]
 
 
 def deployed_cells(

@@ -25,20 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from detector.novelty import FAMILY_CLEAN_RATIO, EnsembleDetector
-from training.experiments import Samples, balanced_draw
+from training.experiments import balanced_draw
 from training.pipeline import add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ensemble_parts import ood_proxies, training_side  # noqa: E402
+from ensemble_parts import balanced_accuracies, ood_proxies, training_side  # noqa: E402
 
 RATIOS = (1.0, 2.0, FAMILY_CLEAN_RATIO, 8.0, None)  # None: every clean image
-
-
-def accuracy_cells(detector: EnsembleDetector, clean: Samples, sets: list[Samples]) -> list[str]:
-    """``clean``'s FPR at 0.5 (%) and each set's balanced accuracy against it."""
-    fpr = float(np.mean(detector.score_samples(clean) > 0.5))
-    flagged = [float(np.mean(detector.score_samples(rows) > 0.5)) for rows in sets]
-    return [f"{100 * fpr:.2f}", *(f"{100 * (f + 1 - fpr) / 2:.1f}" for f in flagged)]
 
 
 def main() -> None:
@@ -53,15 +46,16 @@ def main() -> None:
         header += ["mean", "lowest", *proxies]
         print(f"\nEnsemble on {train} ({len(attacked)} fit-part images), decision 0.5:\n")
         print("| " + " | ".join(header) + " |\n|---" + "|---:" * (len(header) - 1) + "|")
+        sets = [val(data.attacks[k]) for k in others] + list(proxies.values())
         for ratio in RATIOS:
             clean, abnormal = balanced_draw(clean_fit, attacked, np.random.default_rng(0), ratio)
             detector = EnsembleDetector(n_jobs=-1).fit_samples(clean, abnormal)
-            sets = [val(data.attacks[k]) for k in others] + list(proxies.values())
-            cells = accuracy_cells(detector, clean_val, sets)
-            attacks = [float(c) for c in cells[1 : 1 + len(others)]]
-            every = "every" if ratio is None else f"{ratio:g}"
-            row = [every, str(len(clean)), cells[0], *cells[1 : 1 + len(others)]]
-            row += [f"{np.mean(attacks):.1f}", f"{min(attacks):.1f}", *cells[1 + len(others) :]]
+            fpr, accuracy = balanced_accuracies(detector, clean_val, sets)
+            attacks = accuracy[: len(others)]
+            row = ["every" if ratio is None else f"{ratio:g}", str(len(clean)), f"{fpr:.2f}"]
+            row += [f"{a:.1f}" for a in attacks]
+            row += [f"{np.mean(attacks):.1f}", f"{min(attacks):.1f}"]
+            row += [f"{a:.1f}" for a in accuracy[len(others) :]]
             print("| " + " | ".join(row) + " |", flush=True)
 
 

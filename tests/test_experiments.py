@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from detector.calibration import calibrate_threshold
 from detector.errors import InputError
 from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
 from detector.quantile import QuantileDetector
-from training.experiments import Samples, Split, evaluate_fitted, run_protocols
+from training.experiments import (
+    Samples,
+    Split,
+    balanced_draw,
+    evaluate_fitted,
+    run_protocols,
+)
+from training.presets.pipelines import PIPELINE_PRESETS, PipelineConfig
 
 
 def _samples(
@@ -220,8 +228,42 @@ def test_the_ood_protocol_takes_as_many_clean_rows_per_abnormal_row_as_asked(wor
     for (_, a, n_a), (_, b, n_b) in zip(default, balanced, strict=True):
         assert n_a == n_b and len(a) == n_a
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(InputError, match="clean_ratio must be >= 1 or None"):
-        fits(ood_clean_ratio=0.5)
+    for bad in (0.5, float("inf"), float("nan")):
+        with pytest.raises(InputError, match="finite number >= 1 or None"):
+            fits(ood_clean_ratio=bad)
+    assert not fitted  # refused before any fit
+
+
+def _seed_balanced(
+    clean: Samples, abnormal: Samples, rng: np.random.Generator
+) -> tuple[Samples, Samples]:
+    """The seed's balanced draw as the OOD protocol made it before ``ood_clean_ratio``."""
+    n = min(len(clean), len(abnormal))
+    return clean.subsample(n, rng), abnormal.subsample(n, rng)
+
+
+@pytest.mark.parametrize("n_clean, n_abnormal", [(300, 120), (120, 300), (200, 200)])
+def test_a_clean_ratio_of_one_draws_the_seeds_balanced_rows(n_clean, n_abnormal) -> None:
+    rng = np.random.default_rng(0)
+    clean = _samples("clean", np.arange(n_clean), 0.0, rng)
+    abnormal = _samples("ood", np.arange(n_abnormal), 4.0, rng)
+    ours = balanced_draw(clean, abnormal, np.random.default_rng(7), 1.0)
+    seeds = _seed_balanced(clean, abnormal, np.random.default_rng(7))
+    for a, b in zip(ours, seeds, strict=True):
+        np.testing.assert_array_equal(a.indices, b.indices)
+    more, _ = balanced_draw(clean, abnormal, np.random.default_rng(7), 1.5)
+    assert len(more) == min(n_clean, round(1.5 * min(n_clean, n_abnormal)))
+
+
+def test_the_pipeline_config_refuses_a_clean_ratio_below_one_or_not_finite() -> None:
+    base = PIPELINE_PRESETS["smoke"].model_dump()
+    assert PipelineConfig(**{**base, "ood_clean_ratio": None}).ood_clean_ratio is None
+    for bad in (0.5, float("inf")):
+        with pytest.raises(ValidationError, match="ood_clean_ratio"):
+            PipelineConfig(**{**base, "ood_clean_ratio": bad})
+    assert PIPELINE_PRESETS["smoke"].ood_clean_ratio == 1.0  # the seed's draw
+    assert PIPELINE_PRESETS["quick"].ood_clean_ratio is None
+    assert PIPELINE_PRESETS["full"].ood_clean_ratio is None
 
 
 def test_every_detector_is_tested_on_the_same_ood_rows_whatever_ran_before_it(world) -> None:

@@ -59,6 +59,34 @@ def test_results_json_follows_the_design_contract(smoke_run) -> None:
     assert timing["transport"] > 0 and timing["mahalanobis"] > 0
 
 
+def test_the_evaluation_gives_the_protocols_the_runs_ood_clean_ratio(
+    smoke_run, data_root, tmp_path, monkeypatch
+) -> None:
+    """A run whose config asks for every clean training image in the OOD protocol evaluates
+    with that rule (the protocols themselves are tested in test_experiments.py)."""
+    import training.pipeline as pipeline
+
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run, run)
+    (run / "evaluation.json").unlink()
+    config = json.loads((run / "pipeline_config.json").read_text())
+    assert config["ood_clean_ratio"] == 1.0
+    (run / "pipeline_config.json").write_text(json.dumps({**config, "ood_clean_ratio": None}))
+    asked: list[float | None] = []
+
+    class Asked(Exception):
+        """The rule is all this test needs: no protocol runs."""
+
+    def stop(**kwargs):
+        asked.append(kwargs["ood_clean_ratio"])
+        raise Asked
+
+    monkeypatch.setattr(pipeline, "run_protocols", stop)
+    with pytest.raises(Asked):
+        pipeline.evaluate(pipeline.PipelineRun.open(run, root=data_root, progress=False))
+    assert asked == [None]
+
+
 def test_timings_record_every_step_and_the_report_sums_them(smoke_run) -> None:
     """timings.jsonl: the machine's reference workload, then one line per step, in order; the
     report's run-time table adds up the steps before it."""

@@ -150,6 +150,12 @@ class Outcome:
     scores: np.ndarray
 
 
+def check_clean_ratio(clean_ratio: float | None) -> None:
+    """Refuse a clean-rows-per-abnormal-row ratio that is not a finite number >= 1 (or None)."""
+    if clean_ratio is not None and not (np.isfinite(clean_ratio) and clean_ratio >= 1):
+        raise InputError(f"clean_ratio must be a finite number >= 1 or None, got {clean_ratio}")
+
+
 def balanced_draw(
     clean: Samples,
     abnormal: Samples,
@@ -159,8 +165,7 @@ def balanced_draw(
     """Trim the larger side to the smaller one's count (the seed's balanced sets, ``clean_ratio``
     1), then draw up to ``clean_ratio`` clean rows per abnormal row where the clean side has more
     (None: every clean row)."""
-    if clean_ratio is not None and not clean_ratio >= 1:
-        raise InputError(f"clean_ratio must be >= 1 or None, got {clean_ratio}")
+    check_clean_ratio(clean_ratio)
     n_abnormal = min(len(clean), len(abnormal))
     n_clean = len(clean) if clean_ratio is None else int(round(clean_ratio * n_abnormal))
     n_clean = min(len(clean), n_clean)
@@ -228,6 +233,7 @@ def run_protocols(
     many clean training rows per abnormal row in the OOD protocol (1: the seed's balanced sets;
     None: every clean training row).
     """
+    check_clean_ratio(ood_clean_ratio)  # before any fit, not when the OOD protocol draws
     universe = index_universe(clean, attacks)
     per_seed = len(seen) + (1 if unseen_train else 0) + len(ood_train)
     protocols = _Protocols(model, attacks, ood_sets, target_fpr, ood_clean_ratio)
@@ -396,10 +402,11 @@ class _Protocols:
         clean test rows come from. An attack's own source images would not do: CW and APGD sets
         leave out the images the network already misclassifies
         (:func:`training.pipeline.perturbed`), so a detector fitted on their sources never saw a
-        low-margin clean image, and flags the test side's. With ``ood_clean_ratio`` > 1 (or None:
-        every clean training row) it gets more clean rows than abnormal ones: fitted on a few
-        hundred CW images against as many clean ones, its forests learn clean from too few
-        images and flag the network's own low-margin ones (``benchmarks/ood_clean_ratio.py``)."""
+        low-margin clean image, and flags the test side's. With the seed's one clean row per
+        abnormal row, a detector fitted on a few hundred CW images learns clean from as few
+        and flags the network's own low-margin clean images; ``ood_clean_ratio`` > 1 (None:
+        every clean training row, the noised copies included when the run adds them) gives it
+        more (``benchmarks/ood_clean_ratio.py``)."""
         if train_key in self.attacks:
             source = self.attacks[train_key]
             train_abnormal = sides.split.train(source)

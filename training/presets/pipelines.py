@@ -111,7 +111,7 @@ class PipelineConfig(BaseModel):
     )
     # Up to this many clean training rows per abnormal row in the OOD protocol (1: the seed's
     # balanced sets; None: every clean image of the training side).
-    ood_clean_ratio: float | None = Field(1.0, ge=1)
+    ood_clean_ratio: float | None = Field(1.0, ge=1, allow_inf_nan=False)
     mahalanobis_clean_n: int = Field(5000, ge=100)  # training images for class means and covariance
     # Input pre-processing magnitudes tried (chosen on the training side); Lee et al.'s list by default.
     mahalanobis_magnitudes: list[float] = Field(
