@@ -7,14 +7,14 @@ The OOD protocol fits its detector against one abnormal set and clean images dra
 training side (``training.experiments.balanced_draw``): as many as the abnormal rows in the seed,
 up to ``ood_clean_ratio`` per abnormal row (None, the quick and full presets': every clean image
 of the training side). With as many, an attack of a few hundred images (CW) leaves the forests a
-few hundred clean images to learn clean from. This
-script cuts the deploy network's seed-0 training side as ``ensemble_parts.py`` does (a validation
-quarter held out; the test side is never read) and, per training set of the config's OOD protocol
-and per ratio, fits the ensemble on the fit part's attacked images and clean images drawn as the
-protocol draws them. Cells, at the ensemble's decision 0.5: the validation clean FPR (%), each
-other attack's balanced accuracy against every validation clean image (the unseen analog), their
-mean and lowest, and the three training-side OOD stand-ins (inverted, rot90, shuffled). An OOD
-set flagged in full scores (2 - clean FPR) / 2. Chooses nothing.
+few hundred clean images to learn clean from. This script cuts the deploy network's seed-0
+training side as ``ensemble_parts.py`` does (a validation quarter held out; the test side is never
+read) and, per training set of the config's OOD protocol and per ratio, fits the ensemble on the
+fit part's attacked images and clean images drawn as the protocol draws them. Cells, at the
+ensemble's decision 0.5: the validation clean FPR (%), each other attack's balanced accuracy
+against every validation clean image (the unseen analog), their mean and lowest, and the three
+training-side OOD stand-ins (inverted, rot90, shuffled). An OOD set flagged in full scores (2 -
+clean FPR) / 2. Chooses nothing.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def test_the_ood_protocol_takes_as_many_clean_rows_per_abnormal_row_as_asked(wor
             fitted.append((abnormal.name, clean.indices.copy(), len(abnormal)))
             return super().fit_samples(clean, abnormal)
 
-    def fits(**ratio: float) -> list[tuple[str, np.ndarray, int]]:
+    def fits(**ratio: float | None) -> list[tuple[str, np.ndarray, int]]:
         fitted.clear()
         run_protocols(
             model="lap",
