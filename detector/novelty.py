@@ -505,10 +505,14 @@ class EnsembleDetector(Detector):
         margin_column: int | None = None,
         penultimate_columns: int = 0,
         groups: np.ndarray | None = None,
+        reference: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None,
     ) -> EnsembleDetector:
         """Forests on every row (0 clean / 1 abnormal), one set per family of the abnormal rows
-        (``families``: a name per row, read on abnormal rows only); the novelty part on the clean
-        rows only. ``forests``: the pooled forests already fitted on the same rows with the same
+        (``families``: a name per row, read on abnormal rows only); the clean-only parts on the
+        clean rows only, or on ``reference`` when given: (features as ``features``' columns,
+        predicted labels, source groups or None) of the clean images they learn from instead (a
+        paired protocol's every clean training image, where the forests learn from an attack's
+        sources). ``forests``: the pooled forests already fitted on the same rows with the same
         parameters (a protocol that also runs the transport detector), reused as they are.
         ``margin_column``: the features' logit-margin column, whose clean CDF the margin part
         ramps over its last ``margin_tail`` (none without it, or when ``margin_tail`` is 0).
@@ -530,34 +534,55 @@ class EnsembleDetector(Detector):
             raise InputError(f"penultimate_columns {width} do not fit features {x.shape}")
         clean = check_binary_labels(is_abnormal, len(x)) == 0
         row_groups = check_groups(groups, len(x))
-        self.clean_groups_ = row_groups[clean]  # for held_out_scores (not saved with the arrays)
-        self.penultimate_width_ = width
-        self.penultimate_ = embedding_arrays(x[clean, -width:]) if width else {}
         features = x[:, :-width] if width else x
         if not self.family_clean_ratio > 0:
             raise InputError(f"family_clean_ratio must be > 0, got {self.family_clean_ratio}")
-        pooled, novelty = self._unfitted_parts()
+        pooled = self._unfitted_parts()[0]
         if forests is not None and forests.get_params() != pooled.get_params():
             raise InputError("the forests to reuse were fitted with other parameters")
         if forests is None:
             forests = pooled.fit(features, is_abnormal, predicted_labels, groups)
         self.forests_ = forests
         self.grouped_ = groups is not None and getattr(forests, "grouped_", False)
-        x, predicted = np.asarray(features), np.asarray(predicted_labels)
-        self.novelty_ = novelty.fit(x[clean], predicted[clean])
+        predicted = np.asarray(predicted_labels)
         self.family_names_, self.families_ = self._fit_families(
-            x, clean, predicted, families, row_groups
+            np.asarray(features), clean, predicted, families, row_groups
         )
         self.n_features_in_ = self.forests_.n_features_in_ + width
+        if margin_column is not None and not 0 <= margin_column < self.forests_.n_features_in_:
+            raise InputError(f"margin_column {margin_column} is not a feature column")
+        if reference is None:
+            reference = (x[clean], predicted[clean], row_groups[clean])
+        self._fit_clean_parts(*reference, width=width, margin_column=margin_column)
+        return self
+
+    def _fit_clean_parts(
+        self,
+        features: np.ndarray,
+        predicted_labels: np.ndarray,
+        groups: np.ndarray | None,
+        *,
+        width: int,
+        margin_column: int | None,
+    ) -> None:
+        """The clean-only parts (novelty, margin, penultimate) on clean rows: ``features`` with
+        the penultimate embedding in their last ``width`` columns."""
+        x = np.asarray(features)
+        if x.ndim != 2 or x.shape[1] != self.n_features_in_ or not len(x):
+            raise InputError(
+                f"the clean-only parts need clean rows of {self.n_features_in_} columns, "
+                f"got {x.shape}"
+            )
+        predicted = check_class_labels(predicted_labels, len(x))
+        self.clean_groups_ = check_groups(groups, len(x))  # for held_out_scores (not saved)
+        self.penultimate_width_ = width
+        self.penultimate_ = embedding_arrays(x[:, -width:]) if width else {}
+        x = x[:, :-width] if width else x
+        self.novelty_ = self._unfitted_parts()[1].fit(x, predicted)
         self.margin_column_, self.margin_ = None, {}
         if margin_column is not None and self.margin_tail > 0:
-            if not 0 <= margin_column < self.forests_.n_features_in_:
-                raise InputError(f"margin_column {margin_column} is not a feature column")
             self.margin_column_ = int(margin_column)
-            self.margin_ = margin_arrays(
-                x[clean, margin_column], predicted[clean], self.min_class_samples
-            )
-        return self
+            self.margin_ = margin_arrays(x[:, margin_column], predicted, self.min_class_samples)
 
     def _fit_families(
         self,
@@ -594,12 +619,19 @@ class EnsembleDetector(Detector):
         return names, fitted
 
     def fit_samples(
-        self, clean: SampleSet, abnormal: SampleSet, *, forests: TransportDetector | None = None
+        self,
+        clean: SampleSet,
+        abnormal: SampleSet,
+        *,
+        forests: TransportDetector | None = None,
+        clean_reference: SampleSet | None = None,
     ) -> EnsembleDetector:
         """Forests on clean vs abnormal (and per family, when ``abnormal`` carries a
-        ``families`` array); the novelty part on the clean samples only; the margin part when the
-        samples' ``feature_names`` hold the logit margin; the penultimate part when both carry
-        their embedding in ``extra`` (:meth:`precompute`) and ``penultimate_tail`` > 0."""
+        ``families`` array); the novelty part on the clean samples only (``clean_reference``
+        when given: the clean images the clean-only parts learn from instead); the margin part
+        when the samples' ``feature_names`` hold the logit margin; the penultimate part when
+        both carry their embedding in ``extra`` (:meth:`precompute`) and ``penultimate_tail``
+        > 0."""
         names = list(getattr(clean, "feature_names", None) or [])
         margin_column = names.index(MARGIN_FEATURE) if MARGIN_FEATURE in names else None
         families = getattr(abnormal, "families", None)
@@ -609,6 +641,13 @@ class EnsembleDetector(Detector):
             PENULTIMATE_KEY in s.extra for s in (clean, abnormal)
         )
         rows = [self._columns(s, with_embedding) for s in (clean, abnormal)]
+        reference = None
+        if clean_reference is not None:
+            reference = (
+                self._columns(clean_reference, with_embedding),
+                clean_reference.predicted,
+                getattr(clean_reference, "indices", None),
+            )
         return self.fit(
             np.concatenate(rows),
             abnormal_labels(clean, abnormal),
@@ -618,6 +657,7 @@ class EnsembleDetector(Detector):
             margin_column=margin_column,
             penultimate_columns=rows[0].shape[1] - clean.features.shape[1],
             groups=source_groups(clean, abnormal),
+            reference=reference,
         )
 
     @staticmethod

@@ -13,9 +13,12 @@ from detector.metrics import detection_metrics
 from detector.quantile import QuantileDetector
 from training.experiments import (
     Samples,
+    Sides,
     Split,
     balanced_draw,
+    concat,
     evaluate_fitted,
+    index_universe,
     run_protocols,
 )
 from training.presets.pipelines import PIPELINE_PRESETS, PipelineConfig
@@ -156,6 +159,41 @@ def test_the_ensemble_reuses_the_transport_forests_and_scores_as_if_fitted_alone
     # Seen and unseen sides draw no shared random numbers: the same rows, the same results.
     reused = [r.row() for r in both if r.detector == "ensemble" and r.setting != "ood"]
     assert len(reused) == 3 and reused == [r.row() for r in alone if r.setting != "ood"]
+
+
+def test_the_protocols_ensemble_learns_clean_from_every_clean_training_image(world) -> None:
+    """Seen on CW (the first 120 images only), the ensemble's forests learn from the attack's
+    pairs and its clean-only parts from every clean image of the training side: the scores are
+    those of an ensemble fitted so by hand, not those of one fitted on the sources alone."""
+    from detector.novelty import EnsembleDetector
+
+    clean, attacks, ood = world
+    params = {"n_estimators": 10, "min_class_samples": 5}
+    (record,) = run_protocols(
+        model="lap",
+        clean=clean,
+        attacks=attacks,
+        ood_sets=ood,
+        detectors=[EnsembleDetector(**params)],
+        seen=["cw"],
+        unseen_train=None,
+        ood_train=[],
+        seeds=[0],
+        progress=False,
+    )
+    sides = Sides.of(0, 0.1, index_universe(clean, attacks), clean, None)
+    (train_clean, train_cw), (test_clean, test_cw) = sides.pairs(attacks["cw"])
+    assert len(train_clean) < len(sides.train_clean) / 2
+    tested = concat([test_clean, test_cw])
+    by_hand, sources_only = (
+        EnsembleDetector(**params)
+        .with_seed(0)
+        .fit_samples(train_clean, train_cw, clean_reference=reference)
+        .score_samples(tested)
+        for reference in (sides.train_clean, None)
+    )
+    np.testing.assert_array_equal(record.outcomes[0].scores, by_hand)
+    assert not np.array_equal(by_hand, sources_only)
 
 
 def test_the_ood_protocol_fits_on_clean_images_from_the_whole_training_side(world) -> None:

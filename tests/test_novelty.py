@@ -4,6 +4,8 @@ the forests and the far tail."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import pytest
 import torch
@@ -267,20 +269,21 @@ def test_family_forests_join_the_ensemble_and_travel_with_it() -> None:
         EnsembleDetector(n_estimators=5, family_clean_ratio=0).fit(features, is_abnormal, labels)
 
 
+@dataclass
+class Rows:
+    """A sample set whose last feature column is the logit margin (the margin part reads it)."""
+
+    features: np.ndarray
+    predicted: np.ndarray
+    feature_names: tuple[str, ...] = ("msq_0", "cos_0", "head_margin")
+    images: np.ndarray = field(default_factory=lambda: np.zeros((0, 1, 1, 1)))
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+
 def test_the_margin_part_flags_inputs_on_the_decision_boundary() -> None:
-    from dataclasses import dataclass, field
-
-    @dataclass
-    class Rows:
-        features: np.ndarray
-        predicted: np.ndarray
-        feature_names: tuple[str, ...] = ("msq_0", "cos_0", "head_margin")
-        images: np.ndarray = field(default_factory=lambda: np.zeros((0, 1, 1, 1)))
-        extra: dict = field(default_factory=dict)
-
-        def __len__(self) -> int:
-            return len(self.features)
-
     x, y = _clean(n=1000)
     x[:, 2] = np.abs(x[:, 2]) + 1.0  # clean margins >= 1
     attacked = x[:300].copy()
@@ -304,6 +307,42 @@ def test_the_margin_part_flags_inputs_on_the_decision_boundary() -> None:
         Rows(x, y), Rows(attacked, y[:300])
     )
     assert unnamed.margin_column_ is None and off.margin_column_ is None
+
+
+def test_the_clean_only_parts_learn_from_the_clean_reference_the_forests_from_the_rows() -> None:
+    """With ``clean_reference`` (a paired protocol's every clean training image) the forests
+    are those fitted on the attack's sources alone, the clean-only parts those fitted on the
+    reference: a clean image whose margin no source had is no longer flagged for it."""
+    from detector.margin import margin_arrays
+
+    x, y = _clean(n=1200)
+    x[:, 2] = np.abs(x[:, 2]) * 4 + 0.05  # clean margins, some of them low
+    sources = np.flatnonzero(x[:, 2] > 0.2)[:400]  # an attack's sources: no low margin
+    attacked = x[sources].copy()
+    attacked[:, 0] *= 1.5
+    pairs = (Rows(x[sources], y[sources]), Rows(attacked, y[sources]))
+    alone = EnsembleDetector(n_estimators=10, min_class_samples=5).fit_samples(*pairs)
+    everything = EnsembleDetector(n_estimators=10, min_class_samples=5).fit_samples(
+        *pairs, clean_reference=Rows(x, y)
+    )
+    low = x[:, 2] < 0.1
+    assert low.sum() > 10
+    np.testing.assert_array_equal(everything.forests_.score(x, y), alone.forests_.score(x, y))
+    novelty = NoveltyDetector(min_class_samples=5).fit(x, y)
+    for key, value in novelty.arrays_.items():
+        np.testing.assert_array_equal(everything.novelty_.arrays_[key], value)
+    for key, value in margin_arrays(x[:, 2], y, 5).items():
+        np.testing.assert_array_equal(everything.margin_[key], value)
+    rows, labels = torch.from_numpy(x[low]), torch.from_numpy(y[low])
+    with torch.inference_mode():
+        margin_alone = alone.to_torch().parts(rows, labels)["margin"]
+        margin_everything = everything.to_torch().parts(rows, labels)["margin"]
+    assert (margin_alone == 1.0).all() and (margin_everything < 1.0).float().mean() > 0.5
+    _assert_scores_travel(everything, x, y)
+    with pytest.raises(InputError, match="clean-only parts need clean rows of 3 columns"):
+        EnsembleDetector(n_estimators=5).fit_samples(
+            *pairs, clean_reference=Rows(x[:, :2], y, ("msq_0", "head_margin"))
+        )
 
 
 def test_held_out_scores_give_fitting_clean_rows_the_scores_of_new_clean_rows() -> None:

@@ -474,7 +474,9 @@ def seen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> 
     lines += [
         f"{ACCURACY.title}: train and test on the same attack; {_runs_note(records)}; best per "
         "column in bold; each detector at its own decision. The other metrics, and which "
-        "decision each detector takes, are in the security view below.",
+        "decision each detector takes, are in the security view below. The forests learn from "
+        "the attack's pairs (each attacked image and its clean source); TR+NV's clean-only "
+        "parts learn clean from every clean image of the training side.",
         "",
     ]
     return (
