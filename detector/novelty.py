@@ -346,6 +346,21 @@ class NoveltyDetector(Detector):
         return detector
 
 
+def _check_reference(
+    reference: tuple[np.ndarray, np.ndarray, np.ndarray | None], n_columns: int
+) -> None:
+    """Refuse clean rows for the clean-only parts that are empty, of another width than the
+    fit's rows (``n_columns``), or with labels or groups of another length."""
+    features, predicted, groups = reference
+    x = np.asarray(features)
+    if x.ndim != 2 or x.shape[1] != n_columns or not len(x):
+        raise InputError(
+            f"the clean-only parts need clean rows of {n_columns} columns, got {x.shape}"
+        )
+    check_class_labels(predicted, len(x))
+    check_groups(groups, len(x))
+
+
 def tail_ramp(u: torch.Tensor, tail: float) -> torch.Tensor:
     """0 below the clean CDF's last ``tail``, rising to exactly 1 at u = 1 (float32)."""
     return torch.clamp(1.0 - (1.0 - u.float()) / tail, 0.0, 1.0)
@@ -506,6 +521,7 @@ class EnsembleDetector(Detector):
         penultimate_columns: int = 0,
         groups: np.ndarray | None = None,
         reference: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None,
+        clean_parts: EnsembleDetector | None = None,
     ) -> EnsembleDetector:
         """Forests on every row (0 clean / 1 abnormal), one set per family of the abnormal rows
         (``families``: a name per row, read on abnormal rows only); the clean-only parts on the
@@ -517,9 +533,14 @@ class EnsembleDetector(Detector):
         ``margin_column``: the features' logit-margin column, whose clean CDF the margin part
         ramps over its last ``margin_tail`` (none without it, or when ``margin_tail`` is 0).
         ``penultimate_columns``: how many of the last columns are the penultimate embedding
-        (:mod:`detector.penultimate`), read by that part only, on the clean rows, over its last
-        ``penultimate_tail`` (0 columns or tail: no such part; the columns are then refused).
-        ``groups``: each row's source image, for the pooled forests' out-of-bag decision."""
+        (:mod:`detector.penultimate`), read by that part only, on the clean rows (or the
+        reference's), over its last ``penultimate_tail`` (0 columns or tail: no such part; the
+        columns are then refused). ``groups``: each row's source image, for the pooled forests'
+        out-of-bag decision; the reference's groups are in the same id space, and given exactly
+        when ``groups`` is. ``clean_parts``: an ensemble with the same parameters already fitted
+        on the same clean rows (the same ``reference``; checked by their groups), whose
+        clean-only parts are reused as they are (a protocol fitting several attacks against one
+        training side fits them once)."""
         if not 0 < self.tail < 1:
             raise InputError(f"tail must be in (0, 1), got {self.tail}")
         if not 0 <= self.margin_tail < 1:
@@ -534,6 +555,15 @@ class EnsembleDetector(Detector):
             raise InputError(f"penultimate_columns {width} do not fit features {x.shape}")
         clean = check_binary_labels(is_abnormal, len(x)) == 0
         row_groups = check_groups(groups, len(x))
+        if reference is None:
+            predicted = check_class_labels(predicted_labels, len(x))
+            reference = (x[clean], predicted[clean], row_groups[clean])
+        elif (groups is None) != (reference[2] is None):
+            raise InputError(
+                "the clean reference's groups and the rows' must both be given or both be None "
+                "(one id space: each row's source image)"
+            )
+        _check_reference(reference, x.shape[1])  # before any fit
         features = x[:, :-width] if width else x
         if not self.family_clean_ratio > 0:
             raise InputError(f"family_clean_ratio must be > 0, got {self.family_clean_ratio}")
@@ -551,9 +581,12 @@ class EnsembleDetector(Detector):
         self.n_features_in_ = self.forests_.n_features_in_ + width
         if margin_column is not None and not 0 <= margin_column < self.forests_.n_features_in_:
             raise InputError(f"margin_column {margin_column} is not a feature column")
-        if reference is None:
-            reference = (x[clean], predicted[clean], row_groups[clean])
-        self._fit_clean_parts(*reference, width=width, margin_column=margin_column)
+        if margin_column is None or not self.margin_tail > 0:
+            margin_column = None
+        if clean_parts is None:
+            self._fit_clean_parts(*reference, width=width, margin_column=margin_column)
+        else:
+            self._reuse_clean_parts(clean_parts, reference, width, margin_column)
         return self
 
     def _fit_clean_parts(
@@ -565,14 +598,10 @@ class EnsembleDetector(Detector):
         width: int,
         margin_column: int | None,
     ) -> None:
-        """The clean-only parts (novelty, margin, penultimate) on clean rows: ``features`` with
-        the penultimate embedding in their last ``width`` columns."""
+        """The clean-only parts (novelty, margin, penultimate) on clean rows (checked by
+        :func:`_check_reference`): ``features`` with the penultimate embedding in their last
+        ``width`` columns."""
         x = np.asarray(features)
-        if x.ndim != 2 or x.shape[1] != self.n_features_in_ or not len(x):
-            raise InputError(
-                f"the clean-only parts need clean rows of {self.n_features_in_} columns, "
-                f"got {x.shape}"
-            )
         predicted = check_class_labels(predicted_labels, len(x))
         self.clean_groups_ = check_groups(groups, len(x))  # for held_out_scores (not saved)
         self.penultimate_width_ = width
@@ -580,9 +609,30 @@ class EnsembleDetector(Detector):
         x = x[:, :-width] if width else x
         self.novelty_ = self._unfitted_parts()[1].fit(x, predicted)
         self.margin_column_, self.margin_ = None, {}
-        if margin_column is not None and self.margin_tail > 0:
+        if margin_column is not None:
             self.margin_column_ = int(margin_column)
             self.margin_ = margin_arrays(x[:, margin_column], predicted, self.min_class_samples)
+
+    def _reuse_clean_parts(
+        self,
+        fitted: EnsembleDetector,
+        reference: tuple[np.ndarray, np.ndarray, np.ndarray | None],
+        width: int,
+        margin_column: int | None,
+    ) -> None:
+        """The clean-only parts of ``fitted``, refused unless fitted with the same parameters,
+        the same columns and on clean rows of the same groups as ``reference``."""
+        check_fitted(fitted)
+        groups = check_groups(reference[2], len(reference[0]))
+        if fitted.get_params() != self.get_params():
+            raise InputError("the clean-only parts to reuse were fitted with other parameters")
+        if (fitted.penultimate_width_, fitted.margin_column_) != (width, margin_column) or not (
+            np.array_equal(fitted.clean_groups_, groups)
+        ):
+            raise InputError("the clean-only parts to reuse were fitted on other clean rows")
+        self.clean_groups_, self.penultimate_width_ = fitted.clean_groups_, width
+        self.penultimate_, self.novelty_ = fitted.penultimate_, fitted.novelty_
+        self.margin_column_, self.margin_ = fitted.margin_column_, fitted.margin_
 
     def _fit_families(
         self,
@@ -625,13 +675,14 @@ class EnsembleDetector(Detector):
         *,
         forests: TransportDetector | None = None,
         clean_reference: SampleSet | None = None,
+        clean_parts: EnsembleDetector | None = None,
     ) -> EnsembleDetector:
         """Forests on clean vs abnormal (and per family, when ``abnormal`` carries a
         ``families`` array); the novelty part on the clean samples only (``clean_reference``
         when given: the clean images the clean-only parts learn from instead); the margin part
         when the samples' ``feature_names`` hold the logit margin; the penultimate part when
         both carry their embedding in ``extra`` (:meth:`precompute`) and ``penultimate_tail``
-        > 0."""
+        > 0. ``forests`` and ``clean_parts``: parts to reuse, as :meth:`fit` takes them."""
         names = list(getattr(clean, "feature_names", None) or [])
         margin_column = names.index(MARGIN_FEATURE) if MARGIN_FEATURE in names else None
         families = getattr(abnormal, "families", None)
@@ -643,6 +694,12 @@ class EnsembleDetector(Detector):
         rows = [self._columns(s, with_embedding) for s in (clean, abnormal)]
         reference = None
         if clean_reference is not None:
+            names_there = list(getattr(clean_reference, "feature_names", None) or [])
+            if names_there != names:
+                raise InputError(
+                    "the clean reference's feature columns differ from the clean samples': "
+                    f"{names_there[:4]}... against {names[:4]}..."
+                )
             reference = (
                 self._columns(clean_reference, with_embedding),
                 clean_reference.predicted,
@@ -658,6 +715,7 @@ class EnsembleDetector(Detector):
             penultimate_columns=rows[0].shape[1] - clean.features.shape[1],
             groups=source_groups(clean, abnormal),
             reference=reference,
+            clean_parts=clean_parts,
         )
 
     @staticmethod
@@ -700,7 +758,8 @@ class EnsembleDetector(Detector):
         """:meth:`score` of any rows by what never saw their group (``groups``: each row's
         source image, as ``fit`` was given them; row positions when it was given none): each
         forest's grouped out-of-bag votes (:meth:`TransportDetector.held_out_scores`), and for
-        the nearest-clean distances the nearest clean fitting row of another group. Rows of a
+        the nearest-clean distances the nearest clean row of another group that the clean-only
+        parts learnt from (the reference's, when ``fit`` was given one). Rows of a
         group it was not fitted on get :meth:`score`; its own clean fitting rows get the score
         a detector fitted without them would about give them, for calibration. The margin part
         reads every clean margin (a fitting row's own moves its CDF by at most 1/n). Also,

@@ -10,6 +10,7 @@ from detector.calibration import calibrate_threshold
 from detector.errors import InputError
 from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
+from detector.novelty import EnsembleDetector, NoveltyDetector
 from detector.quantile import QuantileDetector
 from training.experiments import (
     Samples,
@@ -51,6 +52,19 @@ class RecordingTransportDetector(TransportDetector):
         assert self.random_state is not None
         RecordingTransportDetector.fitted_on.append((self.random_state, seen))
         return super().fit_samples(clean, abnormal)
+
+
+def _count_fits(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
+    """A list that grows by one at each call of ``cls.fit`` (the real fit, counted)."""
+    fits: list[int] = []
+    real_fit = cls.fit
+
+    def counted(self, *args, **kwargs):
+        fits.append(1)
+        return real_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "fit", counted)
+    return fits
 
 
 @pytest.fixture
@@ -130,14 +144,7 @@ def test_the_ensemble_reuses_the_transport_forests_and_scores_as_if_fitted_alone
     from detector.novelty import EnsembleDetector
 
     clean, attacks, ood = world
-    fits: list[int] = []
-    real_fit = TransportDetector.fit
-
-    def counted(self, *args, **kwargs):  # the real fit, counted
-        fits.append(1)
-        return real_fit(self, *args, **kwargs)
-
-    monkeypatch.setattr(TransportDetector, "fit", counted)
+    fits = _count_fits(monkeypatch, TransportDetector)
     params = {"n_estimators": 10, "min_class_samples": 5}
     common = dict(
         model="lap",
@@ -161,26 +168,31 @@ def test_the_ensemble_reuses_the_transport_forests_and_scores_as_if_fitted_alone
     assert len(reused) == 3 and reused == [r.row() for r in alone if r.setting != "ood"]
 
 
-def test_the_protocols_ensemble_learns_clean_from_every_clean_training_image(world) -> None:
+def test_what_learns_from_clean_images_only_learns_from_every_clean_training_image(
+    world, monkeypatch
+) -> None:
     """Seen on CW (the first 120 images only), the ensemble's forests learn from the attack's
     pairs and its clean-only parts from every clean image of the training side: the scores are
-    those of an ensemble fitted so by hand, not those of one fitted on the sources alone."""
-    from detector.novelty import EnsembleDetector
-
+    those of an ensemble fitted so by hand, not those of one fitted on the sources alone (the
+    parts fitted for FGM first, reused as they are). A clean-only detector (QT) learns from
+    every clean training image too."""
     clean, attacks, ood = world
     params = {"n_estimators": 10, "min_class_samples": 5}
-    (record,) = run_protocols(
+    fits = _count_fits(monkeypatch, NoveltyDetector)
+    _, record, _, quantile = run_protocols(
         model="lap",
         clean=clean,
         attacks=attacks,
         ood_sets=ood,
-        detectors=[EnsembleDetector(**params)],
-        seen=["cw"],
+        detectors=[EnsembleDetector(**params), QuantileDetector()],
+        seen=["fgm", "cw"],
         unseen_train=None,
         ood_train=[],
         seeds=[0],
         progress=False,
     )
+    assert (record.train, quantile.train, quantile.detector) == ("cw", "cw", "quantile")
+    assert len(fits) == 1  # the clean-only parts fitted once for both attacks
     sides = Sides.of(0, 0.1, index_universe(clean, attacks), clean, None)
     (train_clean, train_cw), (test_clean, test_cw) = sides.pairs(attacks["cw"])
     assert len(train_clean) < len(sides.train_clean) / 2
@@ -194,6 +206,12 @@ def test_the_protocols_ensemble_learns_clean_from_every_clean_training_image(wor
     )
     np.testing.assert_array_equal(record.outcomes[0].scores, by_hand)
     assert not np.array_equal(by_hand, sources_only)
+    band, sources_band = (
+        QuantileDetector().fit_samples(rows, train_cw).score_samples(tested)
+        for rows in (sides.train_clean, train_clean)
+    )
+    np.testing.assert_array_equal(quantile.outcomes[0].scores, band)
+    assert not np.array_equal(band, sources_band)
 
 
 def test_the_ood_protocol_fits_on_clean_images_from_the_whole_training_side(world) -> None:

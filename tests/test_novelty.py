@@ -339,9 +339,36 @@ def test_the_clean_only_parts_learn_from_the_clean_reference_the_forests_from_th
         margin_everything = everything.to_torch().parts(rows, labels)["margin"]
     assert (margin_alone == 1.0).all() and (margin_everything < 1.0).float().mean() > 0.5
     _assert_scores_travel(everything, x, y)
-    with pytest.raises(InputError, match="clean-only parts need clean rows of 3 columns"):
-        EnsembleDetector(n_estimators=5).fit_samples(
-            *pairs, clean_reference=Rows(x[:, :2], y, ("msq_0", "head_margin"))
+    # A bad reference is refused by name before anything is fitted: a fitted detector refitted
+    # with one keeps every part it had.
+    before = everything.score(x, y)
+    grouped = Rows(x, y)
+    grouped.indices = np.arange(len(x))  # type: ignore[attr-defined]
+    refused = {
+        "clean-only parts need clean rows of 3 columns": Rows(x[:, :2], y),
+        "feature columns differ": Rows(x, y, ("msq_0", "head_margin", "cos_0")),
+        "groups and the rows' must both be given": grouped,
+    }
+    fewer = (Rows(x[sources[:200]], y[sources[:200]]), Rows(attacked[:200], y[sources[:200]]))
+    for message, reference in refused.items():
+        with pytest.raises(InputError, match=message):
+            everything.fit_samples(*fewer, clean_reference=reference)
+        np.testing.assert_array_equal(everything.score(x, y), before)
+    # Clean-only parts fitted on the same reference are reused as they are, and only then.
+    params = {"n_estimators": 10, "min_class_samples": 5}
+    refitted = EnsembleDetector(**params).fit_samples(*fewer, clean_reference=Rows(x, y))
+    reused = EnsembleDetector(**params).fit_samples(
+        *fewer, clean_reference=Rows(x, y), clean_parts=everything
+    )
+    assert reused.novelty_ is everything.novelty_ and reused.margin_ is everything.margin_
+    np.testing.assert_array_equal(reused.score(x, y), refitted.score(x, y))
+    with pytest.raises(InputError, match="fitted with other parameters"):
+        EnsembleDetector(**params, tail=0.05).fit_samples(
+            *fewer, clean_reference=Rows(x, y), clean_parts=everything
+        )
+    with pytest.raises(InputError, match="fitted on other clean rows"):
+        EnsembleDetector(**params).fit_samples(
+            *fewer, clean_reference=Rows(x[:600], y[:600]), clean_parts=everything
         )
 
 

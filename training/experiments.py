@@ -318,17 +318,22 @@ class _Protocols:
     ood_clean_ratio: float | None = 1.0
     records: dict[tuple[str, str, str, str], ExperimentRecord] = field(default_factory=dict)
     forests: dict[tuple[Any, ...], TransportDetector] = field(default_factory=dict)
+    clean_parts: dict[int, EnsembleDetector] = field(default_factory=dict)  # one seed's at a time
 
     def _fit(
         self, prototype: Detector, sides: Sides, clean: Samples, abnormal: Samples
     ) -> Detector:
         """``prototype`` fitted for the seed. The ensemble reuses the forests the transport
         detector fitted on the same rows with the same parameters and seed (the same forests:
-        the fit is deterministic), so a protocol running both fits them once. Its clean-only
-        parts learn clean from every clean image of the seed's training side, whatever rows its
-        forests learn from: an attack's own sources leave out the network's mistakes (CW,
-        APGD), and parts fitted on a few hundred of them flag every low-margin clean image."""
+        the fit is deterministic), so a protocol running both fits them once; its clean-only
+        parts are fitted once per seed, on the same clean images every time. Clean-only
+        detectors (``info.supervised`` False) and the ensemble's clean-only parts learn clean
+        from every clean image of the seed's training side, whatever rows the forests learn
+        from: an attack's own sources leave out the network's mistakes (CW, APGD), and parts
+        fitted on a few hundred of them flag every low-margin clean image."""
         detector = prototype.with_seed(sides.seed)
+        if not detector.info.supervised:
+            return detector.fit_samples(sides.train_clean, abnormal)
         key = (clean.name, abnormal.name, clean.indices.tobytes(), abnormal.indices.tobytes())
         if any(seed != sides.seed for seed, *_ in self.forests):
             self.forests.clear()  # one seed's forests at a time
@@ -336,9 +341,18 @@ class _Protocols:
         if isinstance(detector, EnsembleDetector):
             if forests is None or forests.get_params() != detector.forest_params():
                 forests = None
-            return detector.fit_samples(
-                clean, abnormal, forests=forests, clean_reference=sides.train_clean
+            parts = self.clean_parts.get(sides.seed)
+            if parts is not None and parts.get_params() != detector.get_params():
+                parts = None
+            detector = detector.fit_samples(
+                clean,
+                abnormal,
+                forests=forests,
+                clean_reference=sides.train_clean,
+                clean_parts=parts,
             )
+            self.clean_parts = {sides.seed: detector}
+            return detector
         detector = detector.fit_samples(clean, abnormal)
         if isinstance(detector, TransportDetector):
             self.forests[(sides.seed, *key)] = detector

@@ -471,12 +471,22 @@ def seen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> 
     lines = ["## Seen attacks (seed table 12)", ""]
     if not records:
         return lines + [f"Seen-attack protocol: {NOT_RUN}.", ""]
+    clean_only = [
+        label
+        for name, label in (("quantile", "QT"), ("novelty", "NV"), ("ensemble", "TR+NV's parts"))
+        if any(r["detector"] == name for r in records)
+    ]
+    learns = (
+        f" The forests learn from the attack's pairs (each attacked image and its clean "
+        f"source); what learns from clean images only ({', '.join(clean_only)}) learns from "
+        "every clean image of the training side."
+        if clean_only
+        else ""
+    )
     lines += [
         f"{ACCURACY.title}: train and test on the same attack; {_runs_note(records)}; best per "
         "column in bold; each detector at its own decision. The other metrics, and which "
-        "decision each detector takes, are in the security view below. The forests learn from "
-        "the attack's pairs (each attacked image and its clean source); TR+NV's clean-only "
-        "parts learn clean from every clean image of the training side.",
+        f"decision each detector takes, are in the security view below.{learns}",
         "",
     ]
     return (

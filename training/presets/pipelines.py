@@ -420,9 +420,9 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         # (chosen on the training side: benchmarks/RESULTS.md, issue 11, synthetic outliers).
         deploy_synthetic_outliers=1800,
         expected_duration=(
-            "~75 min on 2 CPU cores, alone (training 13, attacks 27, evaluation 33; runs/q40,"
-            " 2026-11-27, 1.21x the issue's preset, 59:57, on the same machine; since then"
-            " +25 s deploying, +47 s and +78 s evaluating: ~1.26x)"
+            "~74 min on 2 CPU cores, alone (training 13, attacks 27, evaluation 32, deploying"
+            " and reporting 2; runs/q40, 2026-11-27, 1.21x the issue's preset, 59:57, on the"
+            " same machine; since then +25 s deploying, +47 s and +15 s evaluating: ~1.24x)"
         ),
         not_run=_CPU_NOT_RUN,
     ),
