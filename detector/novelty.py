@@ -346,19 +346,19 @@ class NoveltyDetector(Detector):
         return detector
 
 
-def _check_reference(
+def _checked_reference(
     reference: tuple[np.ndarray, np.ndarray, np.ndarray | None], n_columns: int
-) -> None:
-    """Refuse clean rows for the clean-only parts that are empty, of another width than the
-    fit's rows (``n_columns``), or with labels or groups of another length."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The clean rows for the clean-only parts as arrays (features, class labels, groups: row
+    positions when None); refused when empty, of another width than the fit's rows
+    (``n_columns``), or with labels or groups of another length."""
     features, predicted, groups = reference
     x = np.asarray(features)
     if x.ndim != 2 or x.shape[1] != n_columns or not len(x):
         raise InputError(
             f"the clean-only parts need clean rows of {n_columns} columns, got {x.shape}"
         )
-    check_class_labels(predicted, len(x))
-    check_groups(groups, len(x))
+    return x, check_class_labels(predicted, len(x)), check_groups(groups, len(x))
 
 
 def tail_ramp(u: torch.Tensor, tail: float) -> torch.Tensor:
@@ -563,7 +563,7 @@ class EnsembleDetector(Detector):
                 "the clean reference's groups and the rows' must both be given or both be None "
                 "(one id space: each row's source image)"
             )
-        _check_reference(reference, x.shape[1])  # before any fit
+        checked = _checked_reference(reference, x.shape[1])  # before any fit
         features = x[:, :-width] if width else x
         if not self.family_clean_ratio > 0:
             raise InputError(f"family_clean_ratio must be > 0, got {self.family_clean_ratio}")
@@ -584,26 +584,24 @@ class EnsembleDetector(Detector):
         if margin_column is None or not self.margin_tail > 0:
             margin_column = None
         if clean_parts is None:
-            self._fit_clean_parts(*reference, width=width, margin_column=margin_column)
+            self._fit_clean_parts(*checked, width=width, margin_column=margin_column)
         else:
-            self._reuse_clean_parts(clean_parts, reference, width, margin_column)
+            self._reuse_clean_parts(clean_parts, checked[2], width, margin_column)
         return self
 
     def _fit_clean_parts(
         self,
-        features: np.ndarray,
-        predicted_labels: np.ndarray,
-        groups: np.ndarray | None,
+        x: np.ndarray,
+        predicted: np.ndarray,
+        groups: np.ndarray,
         *,
         width: int,
         margin_column: int | None,
     ) -> None:
-        """The clean-only parts (novelty, margin, penultimate) on clean rows (checked by
-        :func:`_check_reference`): ``features`` with the penultimate embedding in their last
+        """The clean-only parts (novelty, margin, penultimate) on clean rows, as
+        :func:`_checked_reference` gives them: ``x`` with the penultimate embedding in its last
         ``width`` columns."""
-        x = np.asarray(features)
-        predicted = check_class_labels(predicted_labels, len(x))
-        self.clean_groups_ = check_groups(groups, len(x))  # for held_out_scores (not saved)
+        self.clean_groups_ = groups  # for held_out_scores (not saved with the arrays)
         self.penultimate_width_ = width
         self.penultimate_ = embedding_arrays(x[:, -width:]) if width else {}
         x = x[:, :-width] if width else x
@@ -616,14 +614,13 @@ class EnsembleDetector(Detector):
     def _reuse_clean_parts(
         self,
         fitted: EnsembleDetector,
-        reference: tuple[np.ndarray, np.ndarray, np.ndarray | None],
+        groups: np.ndarray,
         width: int,
         margin_column: int | None,
     ) -> None:
         """The clean-only parts of ``fitted``, refused unless fitted with the same parameters,
-        the same columns and on clean rows of the same groups as ``reference``."""
+        the same columns and on clean rows of the same ``groups`` (the reference's, checked)."""
         check_fitted(fitted)
-        groups = check_groups(reference[2], len(reference[0]))
         if fitted.get_params() != self.get_params():
             raise InputError("the clean-only parts to reuse were fitted with other parameters")
         if (fitted.penultimate_width_, fitted.margin_column_) != (width, margin_column) or not (
