@@ -118,11 +118,13 @@ def make_run(root: Path, *, ood: bool = True, scores: bool = True) -> Path:
             "test_set": "ood-digits",
             "accuracy": a,
             "auroc": 0.95,
+            "tpr": tpr,
+            "fpr": fpr,
             "fpr_at_95_tpr": 0.1,
             "runs": 5,
             "accuracy_std": 0.01,
         }
-        for m, a in (("vanilla", 0.85), ("lap", 0.9))
+        for m, a, tpr, fpr in (("vanilla", 0.85, 0.8, 0.1), ("lap", 0.9, 1.0, 0.2))
     ]
     results = {
         "preset": "quick",
@@ -260,6 +262,23 @@ def test_the_ood_section_says_how_many_clean_images_each_detector_learned_from(
     ):
         (run / "pipeline_config.json").write_text(json.dumps({**config, "ood_clean_ratio": ratio}))
         assert says in _section(write_report(run).read_text(), "Out-of-distribution")
+
+
+def test_the_ood_section_shows_what_each_detector_flags_on_either_side_of_its_accuracy(
+    tmp_path: Path,
+) -> None:
+    section = _section(write_report(make_run(tmp_path)).read_text(), "Out-of-distribution")
+    flagged = "### Abnormal test images flagged at the detector's decision (%)"
+    fpr = "### False positive rate on clean test images (%)"
+    assert section.index("### Detection accuracy") < section.index(flagged) < section.index(fpr)
+
+    # LAP flags every digit and 20% of clean images: (100 + 100 - 20) / 2 = 90, its accuracy
+    def cell(label: str, table: str) -> str:
+        return _table_row(section, label, table)[1].strip("*")  # the best is in bold
+
+    assert (cell("LAP TR", flagged), cell("LAP TR", fpr)) == ("100.00", "20.00")
+    assert (cell("VAN TR", flagged), cell("VAN TR", fpr)) == ("80.00", "10.00")
+    assert "a test set flagged in full scores (200 − clean FPR) / 2" in section
 
 
 def test_report_without_results_says_what_to_run(tmp_path: Path) -> None:

@@ -442,6 +442,7 @@ SUCCESSFUL = Metric(
 )
 FPR = Metric("fpr", False, "False positive rate on clean test images (%)", ("40", "41"))
 FPR_AT_95_TPR = Metric("fpr_at_95_tpr", False, "FPR at 95% TPR (%)")
+OOD_FLAGGED = Metric("tpr", True, "Abnormal test images flagged at the detector's decision (%)")
 SECURITY_METRICS = (SUCCESSFUL, FPR, AUROC, FPR_AT_95_TPR)
 
 
@@ -622,10 +623,12 @@ def ood_section(
     lines += [
         f"Train against one abnormal set (left of →) and {clean} the whole"
         " training side, test on another (right) against as many clean test images; "
-        f"{_runs_note(records)}.",
+        f"{_runs_note(records)}. The accuracy at a detector's decision is (flagged + 100 − clean "
+        "FPR) / 2, from the two tables after it: a test set flagged in full scores (200 − clean "
+        "FPR) / 2.",
         "",
     ]
-    for metric in (ACCURACY, AUROC, FPR_AT_95_TPR):
+    for metric in (ACCURACY, OOD_FLAGGED, FPR, AUROC, FPR_AT_95_TPR):
         if any(r.get(metric.key) is not None for r in records):
             table = metric_table(
                 records,
