@@ -7,10 +7,10 @@ its calibrated threshold and where it flags each of ``--budgets`` of the validat
 Per attack and threshold, of the attack's successful validation images: the share flagged, and,
 for the caught and the missed ones apart, the medians of
 - the perturbation's L2 norm (to the image's clean source),
-- the source's margin (the network's top-two probability gap on the clean source),
-- the margin on the attacked image itself,
+- the source's logit margin and the attacked image's (``head_margin``, what the margin part
+  reads),
 - and (a mean, not a median) the share that the run's other network reads as the deploy network
-  does (its opinion).
+  does (``second_agrees``, when the run's features hold the opinion).
 The test side is never read; nothing here is chosen.
 
     .venv/bin/python benchmarks/missed_images.py runs/quick [--budgets 0.02]
@@ -22,9 +22,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from detector.errors import ConfigError
+from detector.margin import MARGIN_FEATURE
 from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector
+from detector.opinion import OPINION_NAMES
 from training.experiments import Samples
 from training.pipeline import add_precomputed
 from training.report import markdown_table
@@ -32,41 +34,34 @@ from training.report import markdown_table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import deployed_analog, masker, open_run, run_arguments, validation_cut  # noqa: E402
 
-BATCH = 512
+AGREES = OPINION_NAMES[0]  # the opinion's first column: the other network agrees (0 / 1)
 
 
-def probabilities(model: torch.nn.Module, images: np.ndarray) -> np.ndarray:
-    """[N, classes] softmax of ``model`` on ``images``."""
-    with torch.inference_mode():
-        return torch.cat(
-            [
-                model(torch.from_numpy(images[i : i + BATCH])).float().softmax(1)
-                for i in range(0, len(images), BATCH)
-            ]
-        ).numpy()
+def column(samples: Samples, name: str) -> np.ndarray | None:
+    """The feature column ``name`` of ``samples``, or None when the run's features lack it."""
+    names = list(samples.feature_names or ())
+    return samples.features[:, names.index(name)] if name in names else None
 
 
-def top_two_gap(p: np.ndarray) -> np.ndarray:
-    """The gap between each row's two largest probabilities."""
-    top = np.sort(p, 1)
-    return top[:, -1] - top[:, -2]
-
-
-def traits(
-    attacked: Samples, clean: Samples, model: torch.nn.Module, other: torch.nn.Module
-) -> dict[str, np.ndarray]:
+def traits(attacked: Samples, clean: Samples) -> dict[str, np.ndarray]:
     """Per row of ``attacked`` (successful images whose sources are in ``clean``): the L2 to the
-    source, the source's margin, the image's margin, and whether ``other`` agrees with ``model``."""
+    source, the source's and the image's logit margins, and (when the features hold it) whether
+    the other network agrees with the deploy network, in %."""
     row_of = {int(i): r for r, i in enumerate(clean.indices)}
     source = np.asarray([row_of[int(i)] for i in attacked.indices], np.int64)
     delta = (attacked.images - clean.images[source]).reshape(len(attacked), -1)
-    return {
+    margin, clean_margin = column(attacked, MARGIN_FEATURE), column(clean, MARGIN_FEATURE)
+    if margin is None or clean_margin is None:
+        raise ConfigError(f"the run's features hold no {MARGIN_FEATURE!r} column")
+    found = {
         "L2": np.sqrt((delta**2).sum(1)),
-        "source margin": top_two_gap(probabilities(model, clean.images[source])),
-        "margin": top_two_gap(probabilities(model, attacked.images)),
-        "other agrees (%)": 100.0
-        * (probabilities(other, attacked.images).argmax(1) == attacked.predicted),
+        "source margin": clean_margin[source],
+        "margin": margin,
     }
+    agrees = column(attacked, AGREES)
+    if agrees is not None:
+        found["other agrees (%)"] = 100.0 * agrees
+    return found
 
 
 def key_is_share(trait: str) -> bool:
@@ -108,12 +103,11 @@ def main() -> None:
     )
     clean = val(data.clean)
     clean_scores = detector.score_samples(clean)
-    model, other = run.model(name), run.model(run.config.second_network(name))
     scored = {}
     for key, attack in data.attacks.items():
         rows = val(attack)
         rows = rows.take(np.asarray(rows.success, bool))
-        scored[key] = (detector.score_samples(rows), traits(rows, clean, model, other))
+        scored[key] = (detector.score_samples(rows), traits(rows, clean))
     thresholds = [("calibrated", calibrated)]
     thresholds += [
         (f"{100 * b:g}% of val. clean", float(np.quantile(clean_scores, 1 - b)))
@@ -123,19 +117,14 @@ def main() -> None:
     for label, threshold in thresholds:
         fpr = 100 * np.mean(clean_scores > threshold)
         table += rows_at(f"{label} ({threshold:.3f}, FPR {fpr:.2f}%)", threshold, scored)
-    trait_names = next(iter(scored.values()))[1]
     header = ["threshold", "attack", "n", "flagged (%)"]
-    header += [f"{t}: caught / missed" for t in trait_names]
+    header += [f"{t}: caught / missed" for t in next(iter(scored.values()))[1]]
     print(f"Deployed analog ({name}), successful validation images; medians, agreement a mean:\n")
     print(markdown_table(header, table))
+    quantiles = np.quantile(column(clean, MARGIN_FEATURE), [0.01, 0.02, 0.05, 0.1])
     print(
-        f"\nValidation clean images ({len(clean)}): margin quantiles 1/2/5/10% "
-        + " / ".join(
-            f"{q:.3f}"
-            for q in np.quantile(
-                top_two_gap(probabilities(model, clean.images)), [0.01, 0.02, 0.05, 0.1]
-            )
-        )
+        f"\nValidation clean images ({len(clean)}): logit margin quantiles 1/2/5/10% "
+        + " / ".join(f"{q:.3f}" for q in quantiles)
     )
 
 
