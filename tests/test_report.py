@@ -281,6 +281,19 @@ def test_the_ood_section_shows_what_each_detector_flags_on_either_side_of_its_ac
     assert "a test set flagged in full scores (200 − clean FPR) / 2" in section
 
 
+def test_the_seen_section_names_what_learns_from_clean_images_only(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    assert "learns from clean images only" not in _section(
+        write_report(run).read_text(), "Seen attacks"
+    )  # TR, MH and NS all learn from the attack's pairs
+    results = json.loads((run / "results.json").read_text())
+    for detector in ("ensemble", "quantile"):
+        results["detection"].append(_row("lap", detector, "bim", "bim", 0.9, 0.01))
+    (run / "results.json").write_text(json.dumps(results))
+    seen = _section(write_report(run).read_text(), "Seen attacks")
+    assert "what learns from clean images only (QT, TR+NV's parts) learns from" in seen
+
+
 def test_report_without_results_says_what_to_run(tmp_path: Path) -> None:
     with pytest.raises(ArtefactError, match="lapguard evaluate"):
         write_report(tmp_path)

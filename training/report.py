@@ -472,11 +472,10 @@ def seen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> 
     lines = ["## Seen attacks (seed table 12)", ""]
     if not records:
         return lines + [f"Seen-attack protocol: {NOT_RUN}.", ""]
-    clean_only = [
-        label
-        for name, label in (("quantile", "QT"), ("novelty", "NV"), ("ensemble", "TR+NV's parts"))
-        if any(r["detector"] == name for r in records)
-    ]
+    names = order_detectors(r["detector"] for r in records)
+    clean_only = [  # clean-only detectors (the registry's), then the ensemble's clean-only parts
+        detector_label(n) for n in names if not getattr(_registered(n), "supervised", True)
+    ] + [f"{detector_label(n)}'s parts" for n in names if n == "ensemble"]
     learns = (
         f" The forests learn from the attack's pairs (each attacked image and its clean "
         f"source); what learns from clean images only ({', '.join(clean_only)}) learns from "
