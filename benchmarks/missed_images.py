@@ -2,7 +2,8 @@
 ones it catches: measured on the TRAINING side of a finished run only.
 
 The deployed analog (``ensemble_parts.deployed_analog``: the shipped recipe, with the
-penultimate part, fitted on the fit part of the deploy network's seed-0 training side) is read at
+penultimate part, fitted on the fit part of the deploy network's training side of split
+``--split``, default 0, the shipped split's) is read at
 its calibrated threshold and where it flags each of ``--budgets`` of the validation clean images.
 Per attack and threshold, of the attack's successful validation images: the share flagged, and,
 for the caught and the missed ones apart, the medians of
@@ -13,7 +14,7 @@ for the caught and the missed ones apart, the medians of
   does (``second_agrees``, when the run's features hold the opinion).
 The test side is never read; nothing here is chosen.
 
-    .venv/bin/python benchmarks/missed_images.py runs/quick [--budgets 0.02]
+    .venv/bin/python benchmarks/missed_images.py runs/quick [--budgets 0.02] [--split 0]
 """
 
 from __future__ import annotations
@@ -91,15 +92,20 @@ def rows_at(
 
 
 def main() -> None:
-    parser = run_arguments(__doc__.splitlines()[0])
+    parser = run_arguments(__doc__.splitlines()[0], split=True)
     parser.add_argument("--budgets", type=float, nargs="*", default=[0.02])
     args = parser.parse_args()
     run, name = open_run(args)
     data = run.samples(name)
     add_precomputed(run, name, EnsembleDetector(), [data.clean, *data.attacks.values()])
-    val = masker(validation_cut(run, name)[2])
+    val = masker(validation_cut(run, name, args.split)[2])
     detector, calibrated = deployed_analog(
-        run, name, data.clean, data.attacks, penultimate_tail=PENULTIMATE_TAIL
+        run,
+        name,
+        data.clean,
+        data.attacks,
+        split_seed=args.split,
+        penultimate_tail=PENULTIMATE_TAIL,
     )
     clean = val(data.clean)
     clean_scores = detector.score_samples(clean)
@@ -119,7 +125,10 @@ def main() -> None:
         table += rows_at(f"{label} ({threshold:.3f}, FPR {fpr:.2f}%)", threshold, scored)
     header = ["threshold", "attack", "n", "flagged (%)"]
     header += [f"{t}: caught / missed" for t in next(iter(scored.values()))[1]]
-    print(f"Deployed analog ({name}), successful validation images; medians, agreement a mean:\n")
+    print(
+        f"Deployed analog ({name}, split {args.split}), successful validation images; medians, "
+        "agreement a mean:\n"
+    )
     print(markdown_table(header, table))
     quantiles = np.quantile(column(clean, MARGIN_FEATURE), [0.01, 0.02, 0.05, 0.1])
     print(
