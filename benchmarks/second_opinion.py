@@ -55,11 +55,12 @@ from ensemble_parts import (  # noqa: E402
 def opinion(other: torch.nn.Module, samples: Samples, batch: int = 512) -> np.ndarray:
     """[N, 3]: :func:`detector.opinion.second_opinion` of ``samples`` (their predicted labels)."""
     parts = []
+    device = next(other.parameters()).device
     predicted = torch.from_numpy(np.asarray(samples.predicted, np.int64))
     with torch.inference_mode():
         for start in range(0, len(samples), batch):
-            x = torch.from_numpy(samples.images[start : start + batch])
-            parts.append(second_opinion(other, x, predicted[start : start + batch]))
+            x = torch.from_numpy(samples.images[start : start + batch]).to(device)
+            parts.append(second_opinion(other, x, predicted[start : start + batch]).cpu())
     return torch.cat(parts).numpy() if parts else np.zeros((0, len(OPINION_NAMES)), np.float32)
 
 
@@ -160,7 +161,7 @@ def main() -> None:
         label, _, directory = item.partition("=")
         if not directory or label in nets:
             parser.error(f"--also {item!r}: expected NAME=DIR with a new NAME")
-        nets[label] = networks.load(Path(directory), device=torch.device("cpu"))
+        nets[label] = networks.load(Path(directory), device=run.device)
     columns = {n: {k: opinion(net, s) for k, s in base.items()} for n, net in nets.items()}
     for n, by_set in columns.items():
         agree = ", ".join(f"{k} {100 * c[:, 0].mean():.1f}" for k, c in by_set.items())
