@@ -23,6 +23,7 @@ import torch
 from sklearn.covariance import LedoitWolf
 from sklearn.decomposition import PCA
 
+from detector.calibration import calibrate_threshold
 from detector.penultimate import penultimate_embedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -97,7 +98,7 @@ def main() -> None:
     for scorers, inputs in candidates:
         for label, scorer in scorers.items():
             scores = {k: scorer(v) for k, v in inputs.items()}
-            threshold = np.quantile(scores["clean"], 1 - FPR)
+            threshold = calibrate_threshold(scores["clean"], FPR)
             flagged = {k: 100 * float(np.mean(scores[k] > threshold)) for k in keys}
             stand_ins = np.mean([flagged[k] for k in ("inverted", "rot90", "shuffled")])
             cells = [f"{flagged[k]:.1f}" for k in keys] + [f"{stand_ins:.1f}"]

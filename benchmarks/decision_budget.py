@@ -149,7 +149,7 @@ def tables(
     held_scores = shipped(held)
     print(row("shipped, at 0.5", shipped, 0.5, held, sets, len(others)))
     for budget in BUDGETS:
-        threshold = float(np.quantile(held_scores, 1 - budget, method="higher"))
+        threshold = calibrate_threshold(held_scores, budget)
         print(row(f"shipped, {budget:g} budget", shipped, threshold, held, sets, len(others)))
     slice_scores = shipped(read(calibration))
     for budget in BUDGETS:

@@ -4,8 +4,8 @@ The deployed analog of ``ensemble_parts.py`` (every attack in equal shares on th
 the deploy network's seed-0 training side, with the penultimate part) gives each part's score
 (``EnsembleScorer.parts``) on the validation quarter. The validation rows are cut in two halves
 by source image; a combiner that learns (a logistic regression, class-balanced) learns on one
-half and is measured on the other, then the halves swap. Each combiner's threshold is the 95th
-percentile of its scores on the calibration slice's clean images. Cells: the share of each
+half and is measured on the other, then the halves swap. Each combiner's threshold is the one
+that flags at most 5% of the calibration slice's clean images (``calibrate_threshold``). Cells: the share of each
 attack's successful validation images flagged and of the three training-side OOD stand-ins; the
 run's OOD sets are printed for information only (test side: never choose on them).
 
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from sklearn.linear_model import LogisticRegression
 
+from detector.calibration import calibrate_threshold
 from detector.margin import MARGIN_FEATURE
 from detector.novelty import EnsembleDetector
 from training.experiments import Samples
@@ -161,7 +162,7 @@ def main() -> None:
                 parts["clean"][halves["clean"] == half],
                 [parts[k][halves[k] == half] for k in attacks],
             )
-            threshold = np.quantile(score(calibration), 0.95)
+            threshold = calibrate_threshold(score(calibration), 0.05)
             flagged = {
                 "clean FPR": score(parts["clean"][halves["clean"] != half]) > threshold,
                 **{

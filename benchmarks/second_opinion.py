@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from detector import networks
+from detector.calibration import calibrate_threshold
 from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector
 from detector.opinion import OPINION_NAMES, second_opinion
 from training.experiments import Samples
@@ -96,7 +97,7 @@ def deployed_rows(
     scores = detector.score_samples(clean)
     rows = [["calibrated", *deployed_cells(detector, threshold, clean, held_out)]]
     for budget in budgets:
-        at = float(np.quantile(scores, 1 - budget))
+        at = calibrate_threshold(scores, budget)
         rows.append(
             [f"{100 * budget:g}% of val. clean", *deployed_cells(detector, at, clean, held_out)]
         )

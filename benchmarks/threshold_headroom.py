@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from detector.calibration import Calibration
+from detector.calibration import Calibration, calibrate_threshold
 from detector.novelty import EnsembleDetector
 from training.experiments import Samples, Split
 from training.pipeline import NetworkSamples, PipelineRun, add_precomputed
@@ -99,7 +99,7 @@ def main() -> None:
         f"{100 * np.mean(calibration > calibrated):.2f}% of the {len(calibration)} calibration "
         f"and {100 * np.mean(clean > calibrated):.2f}% of the {len(clean)} validation clean images\n"
     )
-    thresholds = [calibrated, *(float(np.quantile(clean, 1 - f)) for f in VALIDATION_FPRS)]
+    thresholds = [calibrated, *(calibrate_threshold(clean, f) for f in VALIDATION_FPRS)]
     header = ["attack", "n", f"calibrated ({calibrated:.3f})"]
     with_fitting = with_fitting_images(detector, masker(is_fit)(data.clean), calibration, run)
     thresholds.insert(1, with_fitting)
