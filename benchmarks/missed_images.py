@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from detector.calibration import calibrate_threshold
 from detector.errors import ConfigError
 from detector.margin import MARGIN_FEATURE
 from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector
@@ -116,8 +117,7 @@ def main() -> None:
         scored[key] = (detector.score_samples(rows), traits(rows, clean))
     thresholds = [("calibrated", calibrated)]
     thresholds += [
-        (f"{100 * b:g}% of val. clean", float(np.quantile(clean_scores, 1 - b)))
-        for b in args.budgets
+        (f"{100 * b:g}% of val. clean", calibrate_threshold(clean_scores, b)) for b in args.budgets
     ]
     table = []
     for label, threshold in thresholds:
