@@ -5,9 +5,10 @@ the deploy network's seed-0 training side, with the penultimate part) gives each
 (``EnsembleScorer.parts``) on the validation quarter. The validation rows are cut in two halves
 by source image; a combiner that learns (a logistic regression, class-balanced) learns on one
 half and is measured on the other, then the halves swap. Each combiner's threshold is the one
-that flags at most 5% of the calibration slice's clean images (``calibrate_threshold``). Cells: the share of each
-attack's successful validation images flagged and of the three training-side OOD stand-ins; the
-run's OOD sets are printed for information only (test side: never choose on them).
+that flags at most 5% of the calibration slice's clean images (``calibrate_threshold``). Cells:
+the share of each attack's successful validation images flagged and of the three training-side
+OOD stand-ins; the run's OOD sets are printed for information only (test side: never choose on
+them).
 
     .venv/bin/python benchmarks/ensemble_combiners.py runs/quick
 """

@@ -3,8 +3,8 @@ ones it catches: measured on the TRAINING side of a finished run only.
 
 The deployed analog (``ensemble_parts.deployed_analog``: the shipped recipe, with the
 penultimate part, fitted on the fit part of the deploy network's training side of split
-``--split``, default 0, the shipped split's) is read at
-its calibrated threshold and where it flags each of ``--budgets`` of the validation clean images.
+``--split``, default 0, the shipped split's) is read at its calibrated threshold and where it
+flags each of ``--budgets`` of the validation clean images.
 Per attack and threshold, of the attack's successful validation images: the share flagged, and,
 for the caught and the missed ones apart, the medians of
 - the perturbation's L2 norm (to the image's clean source),
