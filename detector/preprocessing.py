@@ -27,6 +27,15 @@ def scale_uint8(pixels: np.ndarray, value_range: tuple[float, float]) -> torch.T
     return x * ((high - low) / 255.0) + low
 
 
+def quantize_uint8(images: np.ndarray, value_range: tuple[float, float] = (0.0, 1.0)) -> np.ndarray:
+    """Float images in ``value_range`` as a client sending 8-bit images (PNG) sends them: clipped,
+    rounded to the nearest of 256 levels, and scaled back by :func:`scale_uint8` (the tensor the
+    service decodes from that PNG), float32 of the same shape."""
+    low, high = value_range
+    levels = (np.clip(images, low, high) - low) * (255.0 / (high - low))
+    return scale_uint8(np.round(levels).astype(np.uint8), value_range).numpy()
+
+
 def prepare_images(images: Sequence[np.ndarray] | np.ndarray, spec: InputSpec) -> torch.Tensor:
     """Images (uint8 0..255, or floats in the value range; HW, HWC or CHW) -> float32 CPU
     tensor [N, C, H, W] in ``spec``. Channels are converted (RGB -> gray by luma, gray -> RGB by

@@ -23,8 +23,10 @@ from detector.errors import ArtefactError, ConfigError, InputError
 from detector.features import FeatureSpec, extract_features
 from detector.forest import TransportDetector
 from detector.guard import Guard
-from detector.preprocessing import prepare_images, scale_uint8
+from detector.images import decode_image
+from detector.preprocessing import prepare_images, quantize_uint8, scale_uint8
 from detector.quantile import QuantileDetector
+from tests.service_helpers import encode
 
 
 def _images(n: int, seed: int, noisy: bool) -> np.ndarray:
@@ -283,6 +285,29 @@ def test_scale_uint8_maps_0_and_255_onto_the_value_range() -> None:
     scaled = scale_uint8(pixels, (-1.0, 1.0))
     assert scaled.dtype == torch.float32
     torch.testing.assert_close(scaled, torch.tensor([[-1.0, -0.6, 1.0]]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("value_range", [(0.0, 1.0), (-1.0, 1.0)])
+def test_quantize_uint8_is_what_the_service_decodes_from_a_png(
+    value_range: tuple[float, float],
+) -> None:
+    """A float image quantized to 8 bits equals the tensor prepared from the PNG a client would
+    encode it as; values outside the range clip, and 8-bit images pass unchanged."""
+    low, high = value_range
+    image = np.random.default_rng(0).uniform(low - 0.1, high + 0.1, (1, 1, 28, 28))
+    image = image.astype(np.float32)
+    quantized = quantize_uint8(image, value_range)
+    spec = networks.InputSpec(
+        channels=1, height=28, width=28, mean=[0.5], std=[0.25], value_range=value_range
+    )
+    png = encode(
+        np.round((np.clip(image[0, 0], low, high) - low) / (high - low) * 255).astype(np.uint8)
+    )
+    decoded = prepare_images([decode_image(png)], spec).numpy()
+    assert quantized.dtype == np.float32 and quantized.shape == image.shape
+    np.testing.assert_array_equal(quantized, decoded)
+    assert np.abs(quantized - np.clip(image, low, high)).max() <= (high - low) / 510 + 1e-6
+    np.testing.assert_array_equal(quantize_uint8(quantized, value_range), quantized)
 
 
 @pytest.mark.parametrize("layout", ["nhw", "nchw", "nhwc"])

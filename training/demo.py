@@ -23,6 +23,7 @@ from pydantic import SecretStr
 from detector.artefacts import read_json
 from detector.errors import ArtefactError, ConfigError, LapguardError
 from detector.guard import Guard
+from detector.preprocessing import quantize_uint8
 from service.settings import Settings, load_settings
 from training import adversarial
 from training.background import BackgroundPipeline, BundleSwitcher, wait_ready
@@ -31,11 +32,6 @@ from training.rundir import RunDir
 from training.steps import default_run_dir, preset_config
 
 CANDIDATES = 200
-
-
-def _as_8bit(images: np.ndarray) -> np.ndarray:
-    """What a client sending PNGs would send: images rounded to 8 bits, back as floats."""
-    return (np.round(np.clip(images, 0, 1) * 255) / 255).astype(np.float32)
 
 
 def _save_png(image: np.ndarray, path: Path) -> Path:
@@ -64,8 +60,10 @@ def write_demo_samples(
         progress=False,
     )
     rows = np.arange(len(x))[-CANDIDATES:]  # the last rows of the seeded order
-    clean, adv = _as_8bit(x[rows]), _as_8bit(attacked.x_adv[rows])
     guard = Guard.from_bundle(run / "bundle", device="cpu")
+    value_range = guard.input_spec.value_range
+    clean = quantize_uint8(x[rows], value_range)
+    adv = quantize_uint8(attacked.x_adv[rows], value_range)
     on_clean, on_adv = guard.predict(clean), guard.predict(adv)
     good = (
         (on_clean.labels == y[rows])
