@@ -244,9 +244,10 @@ def test_deploy_on_split_seed_0_is_the_shipped_detector_and_another_seed_another
 
 def _held_out(
     smoke_run: Path, info: dict, data_root: Path, attack: str, params: dict, n: int
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """The held-out (B2) perturbed images of one attack set of the smoke run's deploy network,
-    rebuilt from its store (the rows the pipeline scored: those the attack moved)."""
+    rebuilt from its store (the rows the pipeline scored: those the attack moved), and their
+    source images' true labels."""
     from training.adversarial import attack_images, get_or_generate
     from training.experiments import Split
 
@@ -263,7 +264,8 @@ def _held_out(
         progress=False,
     )
     split = Split(info["split_seed"], info["test_fraction"], int(indices.max()) + 1)
-    return attacked.x_adv[split.is_test[attacked.indices] & (attacked.linf > 0)]
+    rows = split.is_test[attacked.indices] & (attacked.linf > 0)
+    return attacked.x_adv[rows], y[:n][rows]
 
 
 def _served_scores(bundle: Path, name: str, images: np.ndarray) -> np.ndarray:
@@ -304,7 +306,7 @@ def test_evaluation_score_command_and_server_give_identical_scores(
     rate = manifest["metrics"]["heldout_flag_rate_fgm-eps0.1"]
     assert rate == info["heldout"]["flag_rate"]["fgm-eps0.1"] > 2 * info["heldout"]["fpr"]
     assert rate == np.mean(evaluated > manifest["threshold"])
-    held_out = _held_out(smoke_run, info, data_root, "fgm", {"eps": 0.1}, 600)
+    held_out, _ = _held_out(smoke_run, info, data_root, "fgm", {"eps": 0.1}, 600)
     assert len(held_out) == len(evaluated) == info["heldout"]["n"]["fgm-eps0.1"]
 
     np.save(tmp_path / "held_out.npy", held_out)
@@ -362,12 +364,58 @@ def test_the_served_ensemble_carries_family_forests_and_scores_deepfool_as_evalu
     assert info["families"] == ["deepfool-batched", "fgm"]
     with np.load(run / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
         evaluated = saved["deepfool"]
-    held_out = _held_out(run, info, data_root, "deepfool-batched", {}, 200)
+    held_out, _ = _held_out(run, info, data_root, "deepfool-batched", {}, 200)
     assert len(held_out) == len(evaluated) == info["heldout"]["n"]["deepfool"] > 10
     served = _served_scores(run / "bundle", manifest["name"], held_out)
     np.testing.assert_array_equal(served, evaluated)
     rate = manifest["metrics"]["heldout_flag_rate_deepfool"]
     assert rate == np.mean(served > manifest["threshold"]) > 2 * info["heldout"]["fpr"]
+
+
+def _served_as_png(bundle: Path, images: np.ndarray) -> list[dict]:
+    """A live server's /v1/predict answers for ``images`` ([N, 1, H, W] in [0, 1]) uploaded as
+    8-bit grey PNG files, as a client holding them as floats would send them."""
+    import httpx
+
+    from service.settings import Settings
+    from tests.live_server import LiveServer
+    from tests.service_helpers import encode
+
+    pixels = np.round(np.clip(images[:, 0], 0, 1) * 255).astype(np.uint8)
+    files = [("files", (f"{i}.png", encode(p), "image/png")) for i, p in enumerate(pixels)]
+    results: list[dict] = []
+    settings = Settings(bundle=bundle, device="cpu", query_memory="off")
+    with LiveServer(settings) as live:
+        step = live.settings.max_images_per_request
+        for start in range(0, len(files), step):
+            response = httpx.post(
+                f"{live.url}/v1/predict", files=files[start : start + step], timeout=120
+            )
+            assert response.status_code == 200, response.text
+            results += response.json()["results"]
+    return results
+
+
+def test_png_uploads_reproduce_the_manifests_png_rates(two_family_run, data_root) -> None:
+    """The manifest's PNG rates are what a client uploading the held-out DeepFool images as PNG
+    files gets from a live server: the same scores the pipeline saved, the same images still
+    fooling the network (rounding undoes some of DeepFool's), the same share flagged."""
+    run = two_family_run
+    info = json.loads((run / "detector" / "deployable.json").read_text())
+    manifest = json.loads((run / "bundle" / "manifest.json").read_text())
+    held_out, labels = _held_out(run, info, data_root, "deepfool-batched", {}, 200)
+    with np.load(run / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
+        evaluated = saved["png-deepfool"]
+    results = _served_as_png(run / "bundle", held_out)
+    served = np.asarray([r["score"] for r in results], np.float32)
+    np.testing.assert_array_equal(served, evaluated)
+    fooled = np.asarray([r["label"] for r in results]) != labels
+    heldout = info["heldout"]
+    assert heldout["n_png_successful"]["deepfool"] == fooled.sum()
+    assert 0 < fooled.sum() < heldout["n_successful"]["deepfool"]  # rounding undid some
+    flagged = np.asarray([r["flagged"] for r in results])
+    rate = manifest["metrics"]["heldout_png_successful_flag_rate_deepfool"]
+    assert rate == heldout["png_successful_flag_rate"]["deepfool"] == np.mean(flagged[fooled])
 
 
 def test_shipped_rates_cover_ood_and_successful_images_and_the_server_reproduces_them(

@@ -412,6 +412,36 @@ def test_deployed_detector_rates_shown_with_every_key_found(tmp_path: Path) -> N
     assert "Warning" not in deployed
 
 
+def test_deployed_rates_sent_as_png_are_columns_with_their_intervals(tmp_path: Path) -> None:
+    """A deployable.json with PNG-client rates shows them as two more columns (rate, count,
+    interval) and says what they are; a set without them gets empty cells."""
+    run = make_run(tmp_path)
+    info = json.loads((run / "detector" / "deployable.json").read_text())
+    info["heldout"] |= {
+        "png_successful_flag_rate": {"fgm-eps0.1": 0.99, "bim": None},
+        "n_png_successful": {"fgm-eps0.1": 900, "bim": 0},
+    }
+    (run / "detector" / "deployable.json").write_text(json.dumps(info))
+    deployed = _section(write_report(run).read_text(), "Deployed detector")
+    header = "| Set "
+    columns = [
+        c.strip()
+        for c in next(ln for ln in deployed.splitlines() if ln.startswith(header)).split("|")
+    ]
+    png = columns.index("successful, sent as PNG: flagged (%)")
+    assert columns[png + 1 : png + 3] == ["n successful as PNG", "95% interval (%)"]
+    # 891 of 900 -> 98.11-99.54%; the column index counts the leading empty cell
+    assert _table_row(deployed, "FGM ε=0.1", header)[png - 1 : png + 2] == [
+        "99.00",
+        "900",
+        "98.11–99.54",
+    ]
+    assert _table_row(deployed, "BIM", header)[png - 1 : png + 2] == ["", "0", ""]
+    assert "Sent as PNG: each attack's held-out images rounded to 8 bits" in " ".join(
+        deployed.split()
+    )
+
+
 def test_a_saturated_calibration_is_a_warning_in_the_report(tmp_path: Path) -> None:
     run = make_run(tmp_path)
     info = json.loads((run / "detector" / "deployable.json").read_text())

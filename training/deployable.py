@@ -4,7 +4,8 @@ scoring run, so the threshold and the held-out flag rates are those a deployment
 
 ``RUN/detector/`` holds the detector (``detector.safetensors`` + ``detector.json``, written by
 :meth:`Detector.save`), ``deployable.json`` (network, training attacks, calibration, held-out
-flag rates, split) and ``heldout_scores.npz`` (the Guard's score of every held-out image, per set).
+flag rates, split) and ``heldout_scores.npz`` (the Guard's score of every held-out image, per set;
+``png-<attack>``: of the attacked images as a client sending 8-bit PNGs sends them).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from detector.features import FeatureSpec
 from detector.forest import TransportDetector
 from detector.guard import Guard
 from detector.novelty import EnsembleDetector
+from detector.preprocessing import quantize_uint8
 from detector.registry import get_detector, list_detectors, load_detector
 from training.config import read_train_config
 from training.data import load_dataset, to_arrays
@@ -39,6 +41,7 @@ from training.trainer import train_and_validation_sets
 DEPLOYABLE_FILE = "deployable.json"
 HELDOUT_SCORES_FILE = "heldout_scores.npz"
 SPLIT_SEED = 0
+PNG_PREFIX = "png-"  # heldout_scores.npz: an attack's held-out images sent as 8-bit PNGs
 SYNTHETIC_FAMILY = "synthetic"  # the family name of the synthetic outliers' rows
 
 
@@ -62,13 +65,20 @@ class Deployed:
     scores: dict[str, np.ndarray]
     successful: dict[str, np.ndarray]  # per attack, which held-out images fool the network
     misclassified: np.ndarray  # per held-out clean image, whether the network gets it wrong
+    png_scores: dict[str, np.ndarray]  # per attack, the held-out images sent as 8-bit PNGs
+    png_successful: dict[str, np.ndarray]  # which of those still fool the network
 
     def heldout(self) -> dict[str, Any]:
-        """Held-out flag rates at the calibrated threshold (``deployable.json``'s 'heldout')."""
-        flagged = self.scores["clean"] > self.calibration.threshold
-        return _heldout_rates(
-            self.scores, self.successful, self.calibration.threshold
-        ) | _clean_by_prediction(flagged, self.misclassified)
+        """Held-out flag rates at the calibrated threshold (``deployable.json``'s 'heldout'):
+        per set, then split by the network's answer on clean images, then each attack's
+        successful images as a PNG client sends them."""
+        threshold = self.calibration.threshold
+        flagged = self.scores["clean"] > threshold
+        return (
+            _heldout_rates(self.scores, self.successful, threshold)
+            | _clean_by_prediction(flagged, self.misclassified)
+            | _png_rates(self.png_scores, self.png_successful, threshold)
+        )
 
 
 def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
@@ -83,7 +93,8 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
         return out
     deployed = deploy(run, detector, SPLIT_SEED)
     deployed.detector.save(out)
-    artefacts.save_npz(out / HELDOUT_SCORES_FILE, **deployed.scores)
+    png = {f"{PNG_PREFIX}{k}": v for k, v in deployed.png_scores.items()}
+    artefacts.save_npz(out / HELDOUT_SCORES_FILE, **deployed.scores, **png)
     artefacts.write_json(
         saved,
         {
@@ -156,6 +167,7 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
     scores = {"clean": _guard_scores(guard, held_out_clean)}
     scores.update({k: _guard_scores(guard, v) for k, v in held_out.items()})
     scores.update({f"ood-{k}": _guard_scores(guard, v) for k, v in data.ood.items()})
+    png_scores, png_successful = sent_as_png(run, name, guard, held_out)
     return Deployed(
         fitted,
         calibration,
@@ -167,6 +179,8 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
         scores,
         {k: np.asarray(v.success, bool) for k, v in held_out.items()},
         misclassified(run, name, held_out_clean),
+        png_scores,
+        png_successful,
     )
 
 
@@ -217,14 +231,16 @@ def validation_images(run: PipelineRun, name: str) -> np.ndarray:
 
 def _fitted_as(saved: Path, detector: str, n_synthetic: int) -> bool:
     """Whether ``saved`` (a deployable.json) describes detector ``detector`` fitted with
-    ``n_synthetic`` synthetic outliers and calibrated as :func:`deploy` calibrates (one written
-    before the network's validation images joined the calibration has no 'validation' count)."""
+    ``n_synthetic`` synthetic outliers, calibrated and measured as :func:`deploy` does (one
+    written before the network's validation images joined the calibration has no 'validation'
+    count, one written before the PNG rates no 'n_png_successful')."""
     if not saved.is_file():
         return False
     previous = artefacts.read_json(saved)
     rows = previous.get("synthetic_outliers", {}).get("rows", 0)
     same = previous.get("kind") == detector and rows == n_synthetic
-    return bool(same and "validation" in (previous.get("calibration_images") or {}))
+    calibrated = "validation" in (previous.get("calibration_images") or {})
+    return bool(same and calibrated and "n_png_successful" in (previous.get("heldout") or {}))
 
 
 def synthetic_part(
@@ -325,12 +341,45 @@ def _heldout_rates(
     }
 
 
-def misclassified(run: PipelineRun, name: str, clean: Samples) -> np.ndarray:
-    """True where network ``name`` gets a clean sample's label wrong."""
+def true_labels(run: PipelineRun, name: str, samples: Samples) -> np.ndarray:
+    """The true label of each row's source test image (int64 [N])."""
     _, labels, indices = run.test_images(name)
     label_of = dict(zip(indices.tolist(), labels.tolist(), strict=True))
-    truth = np.array([label_of[int(i)] for i in clean.indices], dtype=np.int64)
-    return np.asarray(clean.predicted) != truth
+    return np.array([label_of[int(i)] for i in samples.indices], dtype=np.int64)
+
+
+def misclassified(run: PipelineRun, name: str, clean: Samples) -> np.ndarray:
+    """True where network ``name`` gets a clean sample's label wrong."""
+    return np.asarray(clean.predicted) != true_labels(run, name, clean)
+
+
+def sent_as_png(
+    run: PipelineRun, name: str, guard: Guard, held_out: dict[str, Samples]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Each held-out attack set as a client sending 8-bit PNGs sends it
+    (:func:`~detector.preprocessing.quantize_uint8`: the tensor the server decodes from that
+    PNG): the Guard's scores, and which images still fool the network (its label is not the
+    true one). Rounding can undo a minimal perturbation (CW, DeepFool)."""
+    scores, successful = {}, {}
+    for key, samples in held_out.items():
+        result = guard.predict(quantize_uint8(samples.images, guard.input_spec.value_range))
+        scores[key] = result.scores
+        successful[key] = result.labels != true_labels(run, name, samples)
+    return scores, successful
+
+
+def _png_rates(
+    scores: dict[str, np.ndarray], successful: dict[str, np.ndarray], threshold: float
+) -> dict[str, Any]:
+    """Each attack's flag rate on the held-out images that still fool the network when sent as
+    8-bit PNGs, and how many do."""
+    return {
+        "png_successful_flag_rate": {
+            k: float(np.mean(scores[k][m] > threshold)) if m.any() else None
+            for k, m in successful.items()
+        },
+        "n_png_successful": {k: int(m.sum()) for k, m in successful.items()},
+    }
 
 
 def _clean_by_prediction(flagged: np.ndarray, misclassified: np.ndarray) -> dict[str, Any]:
@@ -373,13 +422,14 @@ def bundle_metrics(run: str | Path, info: dict[str, Any]) -> dict[str, float]:
         }
     )
     metrics.update({f"heldout_flag_rate_{key}": rate for key, rate in heldout["flag_rate"].items()})
-    metrics.update(
-        {
-            f"heldout_successful_flag_rate_{key}": rate
-            for key, rate in heldout.get("successful_flag_rate", {}).items()
-            if rate is not None
-        }
-    )
+    for rates in ("successful_flag_rate", "png_successful_flag_rate"):
+        metrics.update(
+            {
+                f"heldout_{rates}_{key}": rate
+                for key, rate in heldout.get(rates, {}).items()
+                if rate is not None
+            }
+        )
     results_path = RunDir(run).results_file
     if results_path.is_file():
         results = artefacts.read_json(results_path, what="results")

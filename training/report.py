@@ -644,9 +644,18 @@ def ood_section(
 
 # ---- the shipped detector and the learning curves ----------------------------------------------
 
-_HELDOUT_COLUMNS = {"flag_rate": "flagged (%)", "n": "n"}
+_HELDOUT_COLUMNS = {
+    "flag_rate": "flagged (%)",
+    "n": "n",
+    "png_successful_flag_rate": "successful, sent as PNG: flagged (%)",
+    "n_png_successful": "n successful as PNG",
+}
 # each rate column of the held-out table and its count column: an interval column follows the count
-_RATE_COUNTS = {"flag_rate": "n", "successful_flag_rate": "n_successful"}
+_RATE_COUNTS = {
+    "flag_rate": "n",
+    "successful_flag_rate": "n_successful",
+    "png_successful_flag_rate": "n_png_successful",
+}
 INTERVAL_CONFIDENCE = 0.95
 
 
@@ -801,6 +810,7 @@ def _calibration_note(
         "column is the seen protocol's rate for the same network and detector trained on that "
         "attack alone (mean ± std over its runs)."
         + _clean_split_note(info.get("heldout", {}))
+        + _png_note(info.get("heldout", {}))
         + _saturation_note(calibration)
     )
 
@@ -849,6 +859,17 @@ def _clean_split_note(heldout: Mapping[str, Any]) -> str:
         f" Of the held-out clean images, the network misclassifies {heldout['n_misclassified']}: "
         f"the detector flags {_percent(wrong)}% of those (a flag that also stops a wrong answer) "
         f"and {_percent(right)}% of the images it classifies right."
+    )
+
+
+def _png_note(heldout: Mapping[str, Any]) -> str:
+    """What the PNG columns hold, when recorded."""
+    if not heldout.get("n_png_successful"):
+        return ""
+    return (
+        " Sent as PNG: each attack's held-out images rounded to 8 bits, as a client sending PNGs "
+        "sends them (the tensor the server decodes); successful: those that still fool the "
+        "network, since rounding undoes some minimal perturbations (CW, DeepFool)."
     )
 
 
