@@ -1,7 +1,7 @@
 """What the detector catches when adversarial images arrive as 8-bit images (PNG), as most
 clients send them, and whether a stronger learner's gain survives that.
 
-    .venv/bin/python benchmarks/eight_bit.py runs/quick [--budgets 0.04 0.02]
+    .venv/bin/python benchmarks/eight_bit.py runs/quick [--split 0] [--budgets 0.04 0.02]
 
 The attack sets are stored as float32. A minimal-perturbation attack (CW, DeepFool) leaves values
 of a fraction of a grey level, on the flat background too, where every clean Fashion-MNIST image
@@ -11,10 +11,12 @@ sent differs from the true label, so rounding can undo an attack.
 
 1. **The shipped bundle** (``RUN/bundle``, the Guard, the server's scoring path) on the held-out
    test side of split seed 0 (the one its manifest's rates come from), at its calibrated
-   threshold: the flag rate of each attack's successful images, as float32 and as 8-bit.
+   threshold: the flag rate of each attack's successful images, as float32 and as 8-bit (the
+   pipeline now records the 8-bit rates in the manifest, by the same function).
 2. **Two learners on the training side** (the fit part of split seed ``--split``'s training
-   side against its validation quarter; the test side is never read): the transport forests (the shipped recipe's class OR general
-   forests) and scikit-learn's histogram gradient boosting, each fitted on the fit part's clean
+   side against its validation quarter; the test side is never read): the transport forests
+   (the shipped recipe's class OR general forests) and scikit-learn's histogram gradient
+   boosting, each fitted on the fit part's clean
    images against every attack in equal shares, once on the float32 attacked images and once on
    their 8-bit copies; each read where it flags ``--budgets`` of the validation clean images, on
    the successful validation images as float32 and as 8-bit.
@@ -44,7 +46,13 @@ from detector.forest import TransportDetector
 from detector.guard import Guard
 from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector
 from detector.preprocessing import quantize_uint8
-from training.deployable import attack_family, equal_shares, with_family
+from training.deployable import (
+    attack_family,
+    equal_shares,
+    sent_as_png,
+    true_labels,
+    with_family,
+)
 from training.experiments import Samples, Split
 from training.pipeline import PipelineRun, add_precomputed
 from training.report import markdown_table
@@ -67,7 +75,7 @@ def value_range(run: PipelineRun, name: str) -> tuple[float, float]:
     return run.model(name).config.input_spec.value_range  # type: ignore[union-attr]
 
 
-def as_8bit(run: PipelineRun, name: str, samples: Samples, labels: dict[int, int]) -> Samples:
+def as_8bit(run: PipelineRun, name: str, samples: Samples) -> Samples:
     """``samples`` as 8-bit images: features and labels recomputed by the run's network, and
     ``success`` (when the set has it) re-read as the new label differing from the true one."""
     images = quantize_uint8(samples.images, value_range(run, name))
@@ -75,7 +83,7 @@ def as_8bit(run: PipelineRun, name: str, samples: Samples, labels: dict[int, int
     predicted = logits.argmax(1)
     success = None
     if samples.success is not None:
-        success = predicted != np.asarray([labels[int(i)] for i in samples.indices])
+        success = predicted != true_labels(run, name, samples)
     extra = EnsembleDetector().precompute(run.model(name), images)
     return replace(
         samples, images=images, features=features, predicted=predicted, success=success, extra=extra
@@ -97,32 +105,24 @@ def still_perturbed(samples: Samples, clean: Samples, value_range: tuple[float, 
     return samples.take(differs)
 
 
-def true_labels(run: PipelineRun, name: str) -> dict[int, int]:
-    """The true label of every test image the attacks start from, by source index."""
-    _, labels, indices = run.test_images(name)
-    return {int(i): int(y) for i, y in zip(indices, labels, strict=True)}
-
-
-def shipped_table(run: PipelineRun, name: str, labels: dict[int, int]) -> list[list[str]]:
-    """Per held-out attack set: n successful and the flagged share, float32 then 8-bit (the
-    Guard's own labels decide which 8-bit images still fool the network)."""
+def shipped_table(run: PipelineRun, name: str) -> list[list[str]]:
+    """Per held-out attack set: n successful and the flagged share, float32 then 8-bit
+    (:func:`training.deployable.sent_as_png`, what the manifest records)."""
     guard = Guard.from_bundle(run.dir.bundle, device=run.device)
     data = run.samples(name)
     split = Split(0, run.config.test_fraction, int(data.clean.indices.max()) + 1)
     clean = guard.predict(split.test(data.clean).images)
     rows = [["clean (FPR)", str(len(clean.flagged)), f"{100 * clean.flagged.mean():.2f}", "", ""]]
-    for key, attack in data.attacks.items():
-        held_out = split.test(attack)
-        as_float = guard.predict(held_out.images)
-        rounded = guard.predict(quantize_uint8(held_out.images, value_range(run, name)))
-        true = np.asarray([labels[int(i)] for i in held_out.indices])
-        cells = [key]
-        for result, fooled in (
-            (as_float, np.asarray(held_out.success, bool)),
-            (rounded, rounded.labels != true),
-        ):
-            cells += [str(int(fooled.sum())), f"{100 * result.flagged[fooled].mean():.2f}"]
-        rows.append(cells)
+    held_out = {k: split.test(v) for k, v in data.attacks.items()}
+    png_scores, png_successful = sent_as_png(run, name, guard, held_out)
+    for key, samples in held_out.items():
+        fooled = np.asarray(samples.success, bool)
+        flagged = guard.predict(samples.images[fooled]).flagged
+        png_flagged = png_scores[key][png_successful[key]] > guard.threshold
+        rows.append(
+            [key, str(len(flagged)), f"{100 * flagged.mean():.2f}"]
+            + [str(len(png_flagged)), f"{100 * png_flagged.mean():.2f}"]
+        )
     return rows
 
 
@@ -140,9 +140,7 @@ class TrainingSide:
     val_sets: dict[str, tuple[Samples, Samples]]
 
     @classmethod
-    def of(
-        cls, run: PipelineRun, name: str, labels: dict[int, int], split_seed: int
-    ) -> TrainingSide:
+    def of(cls, run: PipelineRun, name: str, split_seed: int) -> TrainingSide:
         data = run.samples(name)
         add_precomputed(run, name, EnsembleDetector(), [data.clean, *data.attacks.values()])
         split, is_fit, is_val = validation_cut(run, name, split_seed)
@@ -150,13 +148,13 @@ class TrainingSide:
         fit_float, fit_8bit, val_sets = [], [], {}
         for key, attack in data.attacks.items():
             family = attack_family(run.config, key)
-            rounded = as_8bit(run, name, fit(attack), labels)
+            rounded = as_8bit(run, name, fit(attack))
             fit_float.append(with_family(fit(attack), family))
             fit_8bit.append(
                 with_family(still_perturbed(rounded, data.clean, value_range(run, name)), family)
             )
             rows = val(attack)
-            val_sets[key] = (successful(rows), successful(as_8bit(run, name, rows, labels)))
+            val_sets[key] = (successful(rows), successful(as_8bit(run, name, rows)))
         return cls(
             fit(data.clean),
             fit_float,
@@ -256,14 +254,13 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="*", default=[0.04, 0.02])
     args = parser.parse_args()
     run, name = open_run(args)
-    labels = true_labels(run, name)
     clean = run.samples(name).clean
     gap = np.abs(quantize_uint8(clean.images, value_range(run, name)) - clean.images).max()
     print(f"Clean test images against their 8-bit copies: largest difference {gap:.1e}\n")
     print(f"The shipped bundle ({name}), held-out side of split 0, successful images:\n")
     header = ["set", "n float32", "flagged (%)", "n 8-bit", "flagged 8-bit (%)"]
-    print(markdown_table(header, shipped_table(run, name, labels)))
-    side = TrainingSide.of(run, name, labels, args.split)
+    print(markdown_table(header, shipped_table(run, name)))
+    side = TrainingSide.of(run, name, args.split)
     where = f"{name}, split {args.split}"
     print(f"\nTraining side ({where}): successful validation images flagged (%):\n")
     print(markdown_table(*learners_table(side, args.budgets)))
