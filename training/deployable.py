@@ -77,7 +77,7 @@ class Deployed:
         return (
             _heldout_rates(self.scores, self.successful, threshold)
             | _clean_by_prediction(flagged, self.misclassified)
-            | _png_rates(self.png_scores, self.png_successful, threshold)
+            | _rates_on(self.png_scores, self.png_successful, threshold, "png_successful")
         )
 
 
@@ -333,11 +333,20 @@ def _heldout_rates(
         "n_clean": len(scores["clean"]),
         "flag_rate": {k: float(np.mean(v > threshold)) for k, v in sets.items()},
         "n": {k: len(v) for k, v in sets.items()},
-        "successful_flag_rate": {
+    } | _rates_on(scores, successful, threshold, "successful")
+
+
+def _rates_on(
+    scores: dict[str, np.ndarray], rows: dict[str, np.ndarray], threshold: float, name: str
+) -> dict[str, Any]:
+    """``<name>_flag_rate``: each set's flag rate on the rows ``rows`` keeps (None on none),
+    and ``n_<name>``: how many rows it keeps."""
+    return {
+        f"{name}_flag_rate": {
             k: float(np.mean(scores[k][m] > threshold)) if m.any() else None
-            for k, m in successful.items()
+            for k, m in rows.items()
         },
-        "n_successful": {k: int(m.sum()) for k, m in successful.items()},
+        f"n_{name}": {k: int(m.sum()) for k, m in rows.items()},
     }
 
 
@@ -366,20 +375,6 @@ def sent_as_png(
         scores[key] = result.scores
         successful[key] = result.labels != true_labels(run, name, samples)
     return scores, successful
-
-
-def _png_rates(
-    scores: dict[str, np.ndarray], successful: dict[str, np.ndarray], threshold: float
-) -> dict[str, Any]:
-    """Each attack's flag rate on the held-out images that still fool the network when sent as
-    8-bit PNGs, and how many do."""
-    return {
-        "png_successful_flag_rate": {
-            k: float(np.mean(scores[k][m] > threshold)) if m.any() else None
-            for k, m in successful.items()
-        },
-        "n_png_successful": {k: int(m.sum()) for k, m in successful.items()},
-    }
 
 
 def _clean_by_prediction(flagged: np.ndarray, misclassified: np.ndarray) -> dict[str, Any]:
