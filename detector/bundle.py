@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,18 @@ class ExplainSpec(BaseModel):
     gallery: list[GalleryItem] = Field(default_factory=list)
 
 
+class OperatingPoint(BaseModel):
+    """A threshold calibrated on the same clean scores as the bundle's, at another target FPR
+    (with the same confidence): an operator who wants fewer false alarms serves it
+    (``lapguard serve --target-fpr``) without refitting anything."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    target_fpr: float = Field(gt=0, lt=1)
+    threshold: float
+    achieved_fpr: float = Field(ge=0, le=1)  # on the clean scores it was calibrated on
+
+
 class BundleManifest(BaseModel):
     """manifest.json of a bundle."""
 
@@ -113,6 +127,7 @@ class BundleManifest(BaseModel):
     default_vote_threshold: float = 0.5
     metrics: dict[str, float] = Field(default_factory=dict)
     explain: ExplainSpec | None = None
+    operating_points: list[OperatingPoint] = Field(default_factory=list)  # by target FPR
     files: dict[str, str]
 
     @field_validator("format_version")
@@ -145,7 +160,42 @@ class BundleManifest(BaseModel):
         if self.explain is not None and EXPLAIN_FILE not in self.files:
             raise ValueError(f"explain is set but {EXPLAIN_FILE} is not listed in files")
         self._consistent_second()
+        self._consistent_operating_points()
         return self
+
+    def threshold_at(self, target_fpr: float | None = None) -> float:
+        """The threshold of the operating point at ``target_fpr`` (None: the bundle's own target);
+        a target the bundle was not calibrated at raises :class:`ConfigError` naming those it was."""
+        if target_fpr is None or _same_fpr(target_fpr, self.target_fpr):
+            return self.threshold
+        for point in self.operating_points:
+            if _same_fpr(point.target_fpr, target_fpr):
+                return point.threshold
+        offered = sorted({self.target_fpr, *(p.target_fpr for p in self.operating_points)})
+        raise ConfigError(
+            f"bundle {self.name!r} has no operating point at target FPR {target_fpr:g}; it was "
+            f"calibrated at {', '.join(f'{t:g}' for t in offered)}"
+        )
+
+    def _consistent_operating_points(self) -> None:
+        """One point per target; the bundle's own target at its threshold; a stricter target
+        never at a lower threshold (what an edit that swaps thresholds would break)."""
+        points = sorted(self.operating_points, key=lambda p: p.target_fpr)
+        targets = [p.target_fpr for p in points]
+        if any(_same_fpr(a, b) for a, b in pairwise(targets)):
+            raise ValueError(f"operating_points repeat a target FPR: {targets}")
+        for point in points:
+            if _same_fpr(point.target_fpr, self.target_fpr) and point.threshold != self.threshold:
+                raise ValueError(
+                    f"the operating point at the bundle's target FPR {self.target_fpr:g} has "
+                    f"threshold {point.threshold:g}, not the bundle's {self.threshold:g}"
+                )
+        thresholds = [p.threshold for p in points]
+        if any(b > a for a, b in pairwise(thresholds)):
+            raise ValueError(
+                "operating_points' thresholds must not rise with the target FPR: "
+                + ", ".join(f"{p.target_fpr:g} -> {p.threshold:g}" for p in points)
+            )
 
     def _consistent_second(self) -> None:
         """A second network exactly when the features need one, with the same classes and input."""
@@ -170,6 +220,11 @@ class BundleManifest(BaseModel):
                 f"the second network's input shape {second.input_spec.shape} differs from the "
                 f"network's {self.network.input_spec.shape}"
             )
+
+
+def _same_fpr(a: float, b: float) -> bool:
+    """Two target FPRs the same up to float noise (0.01 from JSON, a CLI flag or arithmetic)."""
+    return abs(a - b) <= 1e-9
 
 
 @dataclass
@@ -214,6 +269,7 @@ def write_bundle(
     band: CleanBand | None = None,
     gallery: Gallery | None = None,
     second_network_dir: str | Path | None = None,
+    operating_points: Sequence[Calibration] = (),
 ) -> Path:
     """Write a bundle directory from a saved network (``network_dir``) and a fitted detector.
 
@@ -221,7 +277,9 @@ def write_bundle(
     residues of the network's default taps); ``input_spec`` overrides the network's (e.g.
     ``resize="strict"``); ``band`` and ``gallery`` (optional) go to ``explain.safetensors`` for
     ``/v1/explain`` and the page; ``second_network_dir`` is the saved second network of a spec
-    with ``second=True`` (its weights go to ``second.safetensors``). Returns ``out_dir``.
+    with ``second=True`` (its weights go to ``second.safetensors``); ``operating_points`` are
+    calibrations of the same scores at other target FPRs (:class:`OperatingPoint`). Returns
+    ``out_dir``.
     """
     spec = features or FeatureSpec()
     network_dir = Path(network_dir)
@@ -270,6 +328,12 @@ def write_bundle(
         default_vote_threshold=float(calibration.default_vote_threshold),
         metrics={k: float(v) for k, v in (metrics or {}).items()},
         explain=explain,
+        operating_points=[
+            OperatingPoint(
+                target_fpr=c.target_fpr, threshold=c.threshold, achieved_fpr=c.achieved_fpr
+            )
+            for c in sorted(operating_points, key=lambda c: c.target_fpr)
+        ],
         files={f: sha256_file(out / f) for f in files},
     )
     write_text(out / MANIFEST_FILE, manifest.model_dump_json(indent=2))

@@ -58,6 +58,7 @@ class Guard:
         band: CleanBand | None = None,
         gallery: Gallery | None = None,
         second: nn.Module | None = None,
+        target_fpr: float | None = None,
     ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
@@ -66,6 +67,7 @@ class Guard:
         self.input_spec = input_spec
         self.class_names = list(class_names)
         self.threshold = float(threshold)
+        self.target_fpr = target_fpr  # the operating point's target FPR, when known
         self.manifest = manifest
         self.batch_size = int(batch_size)
         self._extractor = TransportFeatureExtractor(self.model, features, second=self.second)
@@ -79,23 +81,33 @@ class Guard:
     # Construction
     # ---------------------------------------------------------------------------------------
     @classmethod
-    def from_bundle(cls, path: str | Path, *, device: str | torch.device = "auto") -> Guard:
-        """Load a verified bundle (see :func:`detector.bundle.load_bundle`)."""
+    def from_bundle(
+        cls,
+        path: str | Path,
+        *,
+        device: str | torch.device = "auto",
+        target_fpr: float | None = None,
+    ) -> Guard:
+        """Load a verified bundle (see :func:`detector.bundle.load_bundle`), flagging at its
+        operating point for ``target_fpr`` (default: the target it was calibrated for; one it
+        was not calibrated at raises :class:`ConfigError`)."""
         target = resolve_device(device)
         bundle = load_bundle(path, device=target)
         manifest = bundle.manifest
+        threshold = manifest.threshold_at(target_fpr)
         return cls(
             bundle.model,
             bundle.detector.to_torch(),
             input_spec=manifest.input_spec,
             class_names=manifest.class_names,
-            threshold=manifest.threshold,
+            threshold=threshold,
             features=manifest.detector.feature_spec,
             device=target,
             manifest=manifest,
             band=bundle.band,
             gallery=bundle.gallery,
             second=bundle.second,
+            target_fpr=manifest.target_fpr if target_fpr is None else float(target_fpr),
         )
 
     @classmethod

@@ -40,14 +40,19 @@ class ServedBundle:
         return str(getattr(self.guard.manifest, "version", None) or "1")
 
 
-def load_served(path: Path, *, device: str, warmup_sizes: Sequence[int]) -> ServedBundle:
-    """Verify and load the bundle at ``path`` and run its Guard once per batch size (blocking;
-    run it in a worker thread). Raises :class:`ArtefactError` naming the problem."""
+def load_served(
+    path: Path, *, device: str, warmup_sizes: Sequence[int], target_fpr: float | None = None
+) -> ServedBundle:
+    """Verify and load the bundle at ``path``, flagging at its operating point for
+    ``target_fpr`` (None: its own), and run its Guard once per batch size (blocking; run it in
+    a worker thread). Raises :class:`ArtefactError` (or :class:`ConfigError`: no such operating
+    point) naming the problem."""
     from detector.guard import Guard
 
     manifest = Path(path) / MANIFEST_FILE
     before = sha256_file(manifest) if manifest.is_file() else None
-    guard = Guard.from_bundle(path, device=device)  # verifies the manifest and every checksum
+    # verifies the manifest and every checksum
+    guard = Guard.from_bundle(path, device=device, target_fpr=target_fpr)
     if sha256_file(manifest) != before:
         raise ArtefactError(f"bundle {path} changed while it was loaded; try again")
     try:

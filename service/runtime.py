@@ -154,7 +154,12 @@ class Runtime:
     def _load(self) -> ServedBundle:
         if self.settings.bundle is None:
             raise ConfigError("no bundle to serve: pass --bundle DIR or set LAPGUARD_BUNDLE")
-        return load_served(self.settings.bundle, device=self.settings.device, warmup_sizes=())
+        return load_served(
+            self.settings.bundle,
+            device=self.settings.device,
+            warmup_sizes=(),
+            target_fpr=self.settings.target_fpr,
+        )
 
     async def _warm_up(self) -> None:
         guard = self.require_guard()
@@ -321,7 +326,12 @@ class Runtime:
 
     def _load_for_reload(self, path: Path) -> ServedBundle:
         sizes = sorted({1, self.settings.max_batch_size}) if self.settings.warmup else [1]
-        return load_served(path, device=self.settings.device, warmup_sizes=sizes)
+        return load_served(
+            path,
+            device=self.settings.device,
+            warmup_sizes=sizes,
+            target_fpr=self.settings.target_fpr,
+        )
 
     def _reloaded(self, old: ServedBundle, new: ServedBundle, seconds: float) -> None:
         self.metrics.serve_bundle(new.name, new.version, new.sha256)

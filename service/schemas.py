@@ -135,8 +135,17 @@ class ModelSummary(BaseModel):
     input_spec: dict[str, Any]
     network: dict[str, Any] | None = None
     detector: dict[str, Any] | None = None
-    threshold: float
-    target_fpr: float | None = None
+    threshold: float = Field(description="flagged when score > threshold")
+    target_fpr: float | None = Field(
+        default=None, description="the target false-positive rate the served threshold is for"
+    )
+    operating_points: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description=(
+            "the bundle's thresholds at other target FPRs (target_fpr, threshold, achieved_fpr); "
+            "`lapguard serve --target-fpr` serves one"
+        ),
+    )
     metrics: dict[str, Any] | None = None
     device: str
     max_batch_size: int

@@ -30,6 +30,15 @@ class Settings(BaseSettings):
     )
     port: int = Field(default=8000, ge=0, le=65535)
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    target_fpr: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description=(
+            "flag at the bundle's operating point for this target false-positive rate (one of "
+            "its manifest's operating_points; default: the target it was calibrated for)"
+        ),
+    )
     model_name: str | None = Field(
         default=None, description="name served under /v2/models (default: the bundle's)"
     )

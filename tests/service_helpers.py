@@ -107,9 +107,12 @@ def many_parts(count: int, *, files: bool) -> dict:
 
 
 # ---- the tiny real bundle -----------------------------------------------------------------------
+STRICT_TARGET_FPR = 0.05  # the tiny bundle's second operating point (its own is 0.1)
+
+
 def build_service_bundle(tmp: Path) -> Path:
-    """network (2 blocks, seeded) + transport forest fitted on clean vs noised images + threshold,
-    written as a bundle under ``tmp``."""
+    """network (2 blocks, seeded) + transport forest fitted on clean vs noised images + threshold
+    (and a stricter operating point at target FPR 0.05), written as a bundle under ``tmp``."""
     from detector.bundle import write_bundle
     from detector.calibration import Calibration, calibrate_threshold, empirical_fpr
     from detector.features import extract_features
@@ -147,6 +150,7 @@ def build_service_bundle(tmp: Path) -> Path:
         achieved_fpr=empirical_fpr(scores, threshold),
         n=len(scores),
     )
+    strict = calibrate_threshold(scores, STRICT_TARGET_FPR)
     return write_bundle(
         tmp / "bundle",
         network_dir=tmp / "network",
@@ -156,16 +160,26 @@ def build_service_bundle(tmp: Path) -> Path:
         version="7",
         dataset="synthetic",
         metrics={"test_accuracy": 0.1},
+        operating_points=[
+            calibration,
+            Calibration(
+                threshold=strict,
+                target_fpr=STRICT_TARGET_FPR,
+                achieved_fpr=empirical_fpr(scores, strict),
+                n=len(scores),
+            ),
+        ],
     )
 
 
 def rewrite_bundle(source: Path, target: Path, **fields: Any) -> Path:
     """A copy of bundle ``source`` at ``target`` with top-level manifest ``fields`` replaced (e.g.
-    another version and threshold); still valid: the manifest lists the other files' checksums."""
+    another version and threshold; the operating points go unless given, since another threshold
+    would contradict them); still valid: the manifest lists the other files' checksums."""
     shutil.copytree(source, target)
     manifest = target / "manifest.json"
     data = json.loads(manifest.read_text())
-    data.update(fields)
+    data.update({"operating_points": [], **fields})
     manifest.write_text(json.dumps(data, indent=2))
     return target
 

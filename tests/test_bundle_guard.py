@@ -50,11 +50,13 @@ def run(tmp_path: Path, tiny_network: torch.nn.Module) -> dict:
         features, y, logits.argmax(1)
     )
     clean_val, _ = extract_features(tiny_network, _images(50, 2, False))
-    calibration = Calibration.from_scores(detector.score(clean_val, np.zeros(50, int)), 0.1)
+    clean_scores = detector.score(clean_val, np.zeros(50, int))
+    calibration = Calibration.from_scores(clean_scores, 0.1)
     return {
         "network_dir": network_dir,
         "detector": detector,
         "calibration": calibration,
+        "clean_scores": clean_scores,
         "model": tiny_network,
     }
 
@@ -100,6 +102,80 @@ def test_bundle_round_trip(bundle_dir: Path, run: dict) -> None:
         bundle.model.state_dict().values(), run["model"].state_dict().values(), strict=True
     ):
         assert torch.equal(a, b)
+
+
+def _bundle_with_points(out: Path, run: dict, targets: tuple[float, ...]) -> Path:
+    points = [Calibration.from_scores(run["clean_scores"], t) for t in targets]
+    return write_bundle(
+        out,
+        network_dir=run["network_dir"],
+        detector=run["detector"],
+        calibration=run["calibration"],
+        name="tiny",
+        dataset="fashion-mnist",
+        operating_points=points,
+    )
+
+
+def test_a_bundle_serves_any_of_its_operating_points_and_refuses_others(
+    tmp_path: Path, run: dict
+) -> None:
+    """The thresholds calibrated at other targets on the same clean scores travel in the
+    manifest; the Guard flags at the one asked for, at the bundle's own by default, and a target
+    it was not calibrated at is refused with the targets it offers."""
+    out = _bundle_with_points(tmp_path / "b", run, (0.05, 0.1, 0.3))
+    manifest = load_bundle(out).manifest
+    assert [p.target_fpr for p in manifest.operating_points] == [0.05, 0.1, 0.3]
+    thresholds = {p.target_fpr: p.threshold for p in manifest.operating_points}
+    assert thresholds[0.1] == run["calibration"].threshold
+    assert thresholds[0.05] > thresholds[0.1] >= thresholds[0.3]  # stricter: higher
+    default = Guard.from_bundle(out, device="cpu")
+    strict = Guard.from_bundle(out, device="cpu", target_fpr=0.05)
+    assert (default.threshold, default.target_fpr) == (run["calibration"].threshold, 0.1)
+    assert (strict.threshold, strict.target_fpr) == (thresholds[0.05], 0.05)
+    x = np.concatenate([_images(40, 5, False), _images(10, 6, True)])
+    loose, tight = default.predict(x), strict.predict(x)
+    np.testing.assert_array_equal(loose.scores, tight.scores)  # one score, two decisions
+    np.testing.assert_array_equal(tight.flagged, tight.scores > thresholds[0.05])
+    np.testing.assert_array_equal(loose.flagged, loose.scores > thresholds[0.1])
+    with pytest.raises(
+        ConfigError, match=r"no operating point at target FPR 0\.02.*0\.05, 0\.1, 0\.3"
+    ):
+        Guard.from_bundle(out, device="cpu", target_fpr=0.02)
+
+
+def _swap_outer_thresholds(points: list[dict]) -> None:
+    points[0]["threshold"], points[-1]["threshold"] = (
+        points[-1]["threshold"],
+        points[0]["threshold"],
+    )
+
+
+def _repeat_a_target(points: list[dict]) -> None:
+    points.append(dict(points[0]))
+
+
+def _move_the_bundles_own(points: list[dict]) -> None:
+    points[1]["threshold"] += 1e-3
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (_swap_outer_thresholds, "must not rise"),  # the strictest target at the lowest threshold
+        (_repeat_a_target, "repeat a target FPR"),
+        (_move_the_bundles_own, "not the bundle's"),
+    ],
+)
+def test_an_edited_operating_point_is_refused(tmp_path: Path, run: dict, edit, problem) -> None:
+    """A manifest whose operating points were edited out of what a calibration can give is
+    refused on load, naming the problem: the server never flags at a swapped threshold."""
+    out = _bundle_with_points(tmp_path / "b", run, (0.05, 0.1, 0.3))
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    edit(manifest["operating_points"])
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(ArtefactError, match=problem):
+        Guard.from_bundle(out, device="cpu")
 
 
 def _flip_byte(path: Path) -> None:

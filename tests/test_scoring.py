@@ -23,7 +23,7 @@ from service.batch import (
 from service.batch.http import HttpScorer, drive_results, score_url
 from service.settings import Settings
 from tests.live_server import LiveServer
-from tests.service_helpers import CLASSES, encode, synthetic_images
+from tests.service_helpers import CLASSES, STRICT_TARGET_FPR, encode, synthetic_images
 from training.cli import main as cli_main
 
 
@@ -293,6 +293,20 @@ def test_score_command(
     assert "does not exist" in capsys.readouterr().err
     assert cli_main(["score", "--url", "http://127.0.0.1:9", "--engine", "ray", str(folder)]) == 2
     assert "--engine ray needs --bundle" in capsys.readouterr().err
+    argv = ["score", "--url", "http://127.0.0.1:9", "--target-fpr", "0.01", str(folder)]
+    assert cli_main(argv) == 2
+    assert "lapguard serve --target-fpr" in capsys.readouterr().err  # the server decides
+    argv = ["score", "--bundle", str(service_bundle), "--target-fpr", "0.01", str(folder)]
+    assert cli_main([*argv, "--out", str(tmp_path / "strict.jsonl")]) == 2
+    assert "no operating point at target FPR 0.01" in capsys.readouterr().err
+    loose = tmp_path / "loose.jsonl"
+    argv = ["score", "--bundle", str(service_bundle), "--target-fpr", str(STRICT_TARGET_FPR)]
+    assert cli_main([*argv, str(folder), "--out", str(loose), "--no-progress"]) == 0
+    manifest = json.loads((service_bundle / "manifest.json").read_text())
+    at = {p["target_fpr"]: p["threshold"] for p in manifest["operating_points"]}
+    rows = [r for r in read_jsonl(loose) if "score" in r]
+    assert rows and all(r["threshold"] == at[STRICT_TARGET_FPR] != at[0.1] for r in rows)
+    assert all(r["flagged"] == (r["score"] > at[STRICT_TARGET_FPR]) for r in rows)
 
 
 # ---- over HTTP ---------------------------------------------------------------------------------
@@ -388,12 +402,15 @@ def test_ray_engine_gives_the_same_rows_as_in_process(
     service_bundle: Path, guard, folder: Path, pixels: np.ndarray, tmp_path: Path
 ) -> None:
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'lapguard[ray]')")
+    from detector.guard import Guard
     from service.batch.ray import score_inputs_ray
 
+    """The actors flag at the operating point the driver was asked for, as a local Guard does."""
     np.save(tmp_path / "more.npy", pixels)
     inputs = [folder, tmp_path / "more.npy"]
     local = tmp_path / "local.jsonl"
-    score_inputs(guard, inputs, local, num_workers=0, progress=False)
+    loose = Guard.from_bundle(service_bundle, device="cpu", target_fpr=STRICT_TARGET_FPR)
+    score_inputs(loose, inputs, local, num_workers=0, progress=False)
     distributed = tmp_path / "ray.jsonl"
     summary = score_inputs_ray(
         service_bundle,
@@ -402,9 +419,13 @@ def test_ray_engine_gives_the_same_rows_as_in_process(
         batch_size=4,
         num_actors=2,
         device="cpu",
+        target_fpr=STRICT_TARGET_FPR,
         progress=False,
     )
-    assert_same_rows(read_jsonl(distributed), read_jsonl(local))
+    rows = read_jsonl(distributed)
+    assert_same_rows(rows, read_jsonl(local))
+    assert {r["threshold"] for r in rows if "threshold" in r} == {loose.threshold}
+    assert loose.threshold != guard.threshold
     assert (summary.count, summary.errors) == (19, 1)
 
 

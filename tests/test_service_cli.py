@@ -49,24 +49,37 @@ def _serve(bundle: Path, *extra: str, log: IO[str] | None = None) -> subprocess.
     )
 
 
+def _start_up_error(bundle: Path, *extra: str) -> str:
+    """The last stderr line of a ``lapguard serve`` that must stop before listening."""
+    process = _serve(bundle, "--port", "0", *extra)
+    try:
+        _, stderr = process.communicate(timeout=90)
+    finally:
+        process.kill()
+    assert process.returncode != 0
+    return stderr.strip().splitlines()[-1]
+
+
 def test_tampered_bundle_stops_start_up_naming_the_file(service_bundle, tmp_path) -> None:
     tampered = tmp_path / "bundle"
     shutil.copytree(service_bundle, tampered)
     data = bytearray((tampered / "model.safetensors").read_bytes())
     data[-1] ^= 0xFF
     (tampered / "model.safetensors").write_bytes(bytes(data))
-    process = _serve(tampered, "--port", "0")
-    try:
-        _, stderr = process.communicate(timeout=90)
-    finally:
-        process.kill()
-    assert process.returncode != 0
-    last = stderr.strip().splitlines()[-1]
+    last = _start_up_error(tampered)
     assert (
         last.startswith("lapguard serve: error:")
         and "model.safetensors" in last
         and "checksum" in last
     )
+
+
+def test_a_target_fpr_the_bundle_was_not_calibrated_at_stops_start_up(service_bundle) -> None:
+    """`--target-fpr` picks one of the bundle's operating points; another target is refused
+    before the server listens, naming the targets it offers (a bad value: what is allowed)."""
+    for target, expected in (("0.0123", "calibrated at 0.05, 0.1"), ("1.5", "target_fpr")):
+        last = _start_up_error(service_bundle, "--target-fpr", target)
+        assert last.startswith("lapguard serve: error:") and expected in last, last
 
 
 def test_serve_command_logs_json_with_request_ids_and_stops_on_sigterm(

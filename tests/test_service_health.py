@@ -3,10 +3,14 @@ readiness, request ids, Prometheus metrics."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
+from detector.guard import Guard
 from service import healthcheck
-from tests.service_helpers import CLASSES, v2_request
+from service.settings import Settings
+from tests.live_server import LiveServer
+from tests.service_helpers import ADMIN_KEY, CLASSES, STRICT_TARGET_FPR, v2_request
 
 
 def test_model_summary_and_health(client, guard) -> None:
@@ -18,6 +22,31 @@ def test_model_summary_and_health(client, guard) -> None:
     assert summary["input_spec"]["height"] == 28 and summary["ready"] is True
     assert client.get("/healthz").json() == {"status": "ok", "ready": True}
     assert client.get("/readyz").status_code == 200
+
+
+def test_a_server_at_another_operating_point_flags_at_its_threshold(
+    service_bundle, guard, images
+) -> None:
+    """`target_fpr` serves one of the bundle's operating points: /v1/model says which, with the
+    others, and the answers flag at its threshold (the scores are the bundle's own); a reload
+    keeps the point."""
+    settings = Settings(
+        bundle=service_bundle, device="cpu", target_fpr=STRICT_TARGET_FPR, admin_key=ADMIN_KEY
+    )
+    strict = Guard.from_bundle(service_bundle, device="cpu", target_fpr=STRICT_TARGET_FPR)
+    assert strict.threshold != guard.threshold
+    with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=30) as client:
+        summary = client.get("/v1/model").json()
+        assert summary["threshold"] == strict.threshold
+        assert summary["target_fpr"] == STRICT_TARGET_FPR
+        assert {p["target_fpr"] for p in summary["operating_points"]} == {0.1, STRICT_TARGET_FPR}
+        files = [("files", (f"{i}.png", blob, "image/png")) for i, blob in enumerate(images[:5])]
+        for _ in range(2):  # before and after a reload of the same directory
+            results = client.post("/v1/predict", files=files).json()["results"]
+            assert all(r["threshold"] == strict.threshold for r in results)
+            assert all(r["flagged"] == (r["score"] > strict.threshold) for r in results)
+            reload = client.post("/v1/admin/reload", headers={"X-API-Key": ADMIN_KEY})
+            assert reload.status_code == 200, reload.text
 
 
 def test_request_id_is_echoed_or_generated(client) -> None:

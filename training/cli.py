@@ -509,6 +509,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None, help="interface (default $LAPGUARD_HOST or 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default $LAPGUARD_PORT or 8000)")
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N (default auto)")
+    p.add_argument(
+        "--target-fpr",
+        type=float,
+        default=None,
+        help="flag at the bundle's operating point for this target FPR (one of its manifest's "
+        "operating_points, e.g. 0.01; default: the target it was calibrated for)",
+    )
     p.add_argument("--max-batch-size", type=int, default=None, help="most images per forward pass")
     p.add_argument("--max-wait-ms", type=float, default=None, help="longest wait to fill a batch")
     p.add_argument("--max-queue", type=int, default=None, help="most images waiting before 429")
@@ -529,6 +536,7 @@ SERVE_FLAGS = (
     "host",
     "port",
     "device",
+    "target_fpr",
     "max_batch_size",
     "max_wait_ms",
     "max_queue",
@@ -609,6 +617,13 @@ def _add_score_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument(
+        "--target-fpr",
+        type=float,
+        default=None,
+        help="flag at the bundle's operating point for this target FPR (one of its manifest's "
+        "operating_points; default: the target it was calibrated for)",
+    )
+    p.add_argument(
         "--engine",
         choices=["local", "ray"],
         default="local",
@@ -666,8 +681,10 @@ def _score_dataset(args: argparse.Namespace) -> list:
 def _run_score(args: argparse.Namespace) -> int:
     from service.batch import ScoreRequest, score
 
-    flags = ("out", "bundle", "url", "engine", "batch_size", "workers", "device", "ray_address")
-    flags += ("concurrency", "retries", "timeout", "api_key", "retry_errors")
+    flags = (
+        *("out", "bundle", "url", "engine", "batch_size", "workers", "device", "target_fpr"),
+        *("ray_address", "concurrency", "retries", "timeout", "api_key", "retry_errors"),
+    )
     request = ScoreRequest(
         inputs=[*args.inputs, *_score_dataset(args)],
         fmt=args.format,

@@ -35,6 +35,7 @@ class ScoreRequest:
     batch_size: int | None = None
     workers: int = 2  # data-loading processes, or Ray actors
     device: str = "auto"
+    target_fpr: float | None = None  # the bundle's operating point (local and Ray engines)
     ray_address: str | None = None
     concurrency: int = 4
     retries: int = 5
@@ -57,6 +58,11 @@ def score(request: ScoreRequest) -> ScoringSummary:
     if request.url is not None:
         if request.engine != "local":
             raise ConfigError("--url scores on a server; --engine ray needs --bundle")
+        if request.target_fpr is not None:
+            raise ConfigError(
+                "--url scores at the server's operating point: start it with "
+                "`lapguard serve --target-fpr`, or score a --bundle here"
+            )
         return _score_on_server(request, request.url, settings)
     if settings.bundle is None:
         raise ConfigError(
@@ -73,13 +79,14 @@ def score(request: ScoreRequest) -> ScoringSummary:
             num_actors=request.workers,
             device=request.device,
             address=request.ray_address,
+            target_fpr=request.target_fpr,
             **request.run_options(),
         )
     from detector.guard import Guard
     from service.batch.local import score_inputs
 
     return score_inputs(
-        Guard.from_bundle(settings.bundle, device=request.device),
+        Guard.from_bundle(settings.bundle, device=request.device, target_fpr=request.target_fpr),
         request.inputs,
         request.out,
         batch_size=request.batch_size or 256,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from detector.bundle import read_manifest
 from detector.errors import ArtefactError, ConfigError, LapguardError
 from service.batch.batches import prepare_batch, score_batch
 from service.batch.inputs import (
@@ -56,14 +57,17 @@ def import_ray() -> Any:
 class GuardWorker:
     """A Ray actor's state: the Guard, loaded once from the bundle files it was sent."""
 
-    def __init__(self, bundle_files: dict[str, bytes], device: str) -> None:
+    def __init__(
+        self, bundle_files: dict[str, bytes], device: str, target_fpr: float | None = None
+    ) -> None:
         from detector.guard import Guard
 
         folder = Path(tempfile.mkdtemp(prefix="lapguard-bundle-"))
         try:
             for name, data in bundle_files.items():
                 (folder / name).write_bytes(data)
-            self.guard = Guard.from_bundle(folder, device=device)  # checksums verified here
+            # checksums verified here
+            self.guard = Guard.from_bundle(folder, device=device, target_fpr=target_fpr)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -90,16 +94,19 @@ def score_inputs_ray(
     num_actors: int = 2,
     device: str = "auto",
     address: str | None = None,
+    target_fpr: float | None = None,
     **options: Unpack[RunOptions],
 ) -> ScoringSummary:
     """Score ``inputs`` on ``num_actors`` Ray actors (one GPU each when the cluster has GPUs
     and ``device`` is not cpu) into ``out_path``, with the output of
     :func:`~service.batch.local.score_inputs` (``options``: see
-    :func:`~service.batch.runner.run_scoring`)."""
+    :func:`~service.batch.runner.run_scoring`), flagging at the bundle's operating point for
+    ``target_fpr`` (checked here, before any actor starts)."""
     ray = import_ray()
     if batch_size < 1 or num_actors < 1:
         raise ConfigError("batch size and the number of Ray actors must be at least 1")
     files = bundle_files(Path(bundle))
+    read_manifest(Path(bundle)).threshold_at(target_fpr)  # a wrong target fails before Ray starts
 
     def engine(pending: list[InputItem]) -> Iterator[list[Row]]:
         return _ray_results(
@@ -110,6 +117,7 @@ def score_inputs_ray(
             num_actors=num_actors,
             device=device,
             address=address,
+            target_fpr=target_fpr,
         )
 
     return run_scoring(inputs, out_path, engine, description="score (ray)", **options)
@@ -130,6 +138,7 @@ def _ray_results(
     num_actors: int,
     device: str,
     address: str | None,
+    target_fpr: float | None,
 ) -> Iterator[list[Row]]:
     started_here = not ray.is_initialized()
     if started_here:
@@ -143,7 +152,7 @@ def _ray_results(
         count = max(1, min(num_actors, slots, len(batches)))
         worker = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(GuardWorker)
         files_ref = ray.put(files)
-        actors = [worker.remote(files_ref, device) for _ in range(count)]
+        actors = [worker.remote(files_ref, device, target_fpr) for _ in range(count)]
         window: deque[Any] = deque()
         for number, group in enumerate(batches):
             window.append(actors[number % count].score.remote(_payloads(group)))

@@ -61,7 +61,10 @@ async def model_summary(runtime: RuntimeDep) -> ModelSummary:
         network=part("network"),
         detector=part("detector"),
         threshold=float(guard.threshold),
-        target_fpr=getattr(manifest, "target_fpr", None),
+        target_fpr=guard.target_fpr,
+        operating_points=[
+            point.model_dump(mode="json") for point in getattr(manifest, "operating_points", [])
+        ],
         metrics=part("metrics"),
         device=str(guard.device),
         max_batch_size=runtime.settings.max_batch_size,
