@@ -118,6 +118,26 @@ def test_report_and_figures(smoke_run) -> None:
     assert f"| {chosen['features']} (chosen) " in lap_table
     assert f"**{100 * chosen['mean']:.2f}**" in lap_table
     assert all(f"| {r['features']} " in lap_table for r in selection["rows"])
+    # The operating points: one row per target, each at its threshold and held-out clean FPR.
+    info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
+    section = report.split("## Deployed detector: its operating points")[1].split("\n## ")[0]
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in section.splitlines()
+        if line.startswith("| ") and not line.startswith(("| target", "| -"))
+    ]
+    assert [row[:3] for row in rows] == [
+        [
+            row[0],
+            f"{p['calibration']['threshold']:.4g}",
+            f"{100 * p['heldout']['fpr']:.2f}",
+        ]
+        for row, p in zip(rows, info["operating_points"], strict=True)
+    ]
+    assert [row[0].split()[0] for row in rows] == [
+        f"{100 * p['calibration']['target_fpr']:g}" for p in info["operating_points"]
+    ]
+    assert "figures/operating_points.png" in section
     for link in [
         line.split("](")[1].split(")")[0] for line in report.splitlines() if "](figures/" in line
     ]:
@@ -270,13 +290,21 @@ def _held_out(
 
 def _served_scores(bundle: Path, name: str, images: np.ndarray) -> np.ndarray:
     """Scores from a live server, sent ``images`` as FP32 tensors through the v2 route."""
+    return _served(bundle, name, images)[0]
+
+
+def _served(
+    bundle: Path, name: str, images: np.ndarray, target_fpr: float | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, flags) from a live server at the bundle's operating point for ``target_fpr``
+    (None: its own), sent ``images`` as FP32 tensors through the v2 route."""
     import httpx
 
     from service.settings import Settings
     from tests.live_server import LiveServer
 
-    scores: list[float] = []
-    with LiveServer(Settings(bundle=bundle, device="cpu")) as live:
+    answers: dict[str, list] = {"score": [], "flagged": []}
+    with LiveServer(Settings(bundle=bundle, device="cpu", target_fpr=target_fpr)) as live:
         step = live.settings.max_images_per_request
         for start in range(0, len(images), step):
             chunk = images[start : start + step]
@@ -284,8 +312,9 @@ def _served_scores(bundle: Path, name: str, images: np.ndarray) -> np.ndarray:
             request = {"inputs": [{**tensor, "data": chunk.reshape(-1).tolist()}]}
             response = httpx.post(f"{live.url}/v2/models/{name}/infer", json=request, timeout=120)
             assert response.status_code == 200, response.text
-            scores += next(o for o in response.json()["outputs"] if o["name"] == "score")["data"]
-    return np.asarray(scores, dtype=np.float32)
+            for output in response.json()["outputs"]:
+                answers.get(output["name"], []).extend(output["data"])
+    return np.asarray(answers["score"], np.float32), np.asarray(answers["flagged"], bool)
 
 
 def test_evaluation_score_command_and_server_give_identical_scores(
@@ -446,6 +475,41 @@ def test_shipped_rates_cover_ood_and_successful_images_and_the_server_reproduces
             rate = metrics[f"heldout_flag_rate_ood-{name}"]
             assert rate == info["heldout"]["flag_rate"][f"ood-{name}"]
             assert rate == np.mean(served > manifest["threshold"])
+
+
+def test_a_server_at_an_operating_point_reproduces_its_recorded_rates(smoke_run, data_root) -> None:
+    """The deployed detector is calibrated at the config's target and at each further
+    operating point on the same clean scores; deployable.json records each point's held-out
+    rates and the manifest the threshold of each it offers; a live server started at another
+    point flags the held-out FGM images exactly as recorded there, not as at its own."""
+    from training.deployable import OPERATING_FPRS
+
+    info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
+    manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
+    points = info["operating_points"]
+    targets = [p["calibration"]["target_fpr"] for p in points]
+    assert targets == sorted({*OPERATING_FPRS, manifest["target_fpr"]})
+    own = next(p for p in points if p["calibration"]["target_fpr"] == manifest["target_fpr"])
+    assert own == {"calibration": info["calibration"], "heldout": info["heldout"]}
+    fprs = [p["heldout"]["fpr"] for p in points]
+    assert fprs == sorted(fprs)  # a stricter target never flags more held-out clean images
+    offered = [p for p in points if not p["calibration"]["saturated"] and p is not own]
+    shipped = {p["target_fpr"]: p["threshold"] for p in manifest["operating_points"]}
+    assert shipped == {
+        p["calibration"]["target_fpr"]: p["calibration"]["threshold"] for p in [own, *offered]
+    }
+    other = offered[0]  # the smoke run's few clean images saturate the strict points
+    with np.load(smoke_run / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
+        evaluated = saved["fgm-eps0.1"]
+    threshold = other["calibration"]["threshold"]
+    rate = other["heldout"]["flag_rate"]["fgm-eps0.1"]
+    assert rate == np.mean(evaluated > threshold) != info["heldout"]["flag_rate"]["fgm-eps0.1"]
+    held_out, _ = _held_out(smoke_run, info, data_root, "fgm", {"eps": 0.1}, 600)
+    target = other["calibration"]["target_fpr"]
+    served, flagged = _served(smoke_run / "bundle", manifest["name"], held_out, target)
+    np.testing.assert_array_equal(served, evaluated)
+    np.testing.assert_array_equal(flagged, evaluated > threshold)
+    assert np.mean(flagged) == rate
 
 
 def test_the_transport_forests_read_the_set_they_chose(smoke_run) -> None:

@@ -11,6 +11,7 @@ flag rates, split) and ``heldout_scores.npz`` (the Guard's score of every held-o
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from torch.utils.data import Dataset
 from detector import artefacts
 from detector.base import Detector
 from detector.bundle import write_bundle
-from detector.calibration import Calibration
+from detector.calibration import Calibration, CalibrationWarning
 from detector.errors import ArtefactError, ConfigError
 from detector.features import FeatureSpec
 from detector.forest import TransportDetector
@@ -43,6 +44,13 @@ HELDOUT_SCORES_FILE = "heldout_scores.npz"
 SPLIT_SEED = 0
 PNG_PREFIX = "png-"  # heldout_scores.npz: an attack's held-out images sent as 8-bit PNGs
 SYNTHETIC_FAMILY = "synthetic"  # the family name of the synthetic outliers' rows
+#: Further targets every deployed detector is also calibrated at, beside the config's, on the
+#: same clean scores with the same confidence: an operator who wants fewer false alarms (or more
+#: detections, for a monitoring tier) serves one (``lapguard serve --target-fpr 0.01``) without
+#: refitting, and deployable.json records what each catches on the held-out side. A point whose
+#: threshold saturates (too few clean scores, or ties at their maximum: it would flag nothing)
+#: is recorded but not offered in the bundle.
+OPERATING_FPRS = (0.01, 0.02, 0.1)
 
 
 def deployable_detectors() -> list[str]:
@@ -67,18 +75,27 @@ class Deployed:
     misclassified: np.ndarray  # per held-out clean image, whether the network gets it wrong
     png_scores: dict[str, np.ndarray]  # per attack, the held-out images sent as 8-bit PNGs
     png_successful: dict[str, np.ndarray]  # which of those still fool the network
+    operating_points: list[Calibration]  # by target FPR, the calibration's own among them
 
-    def heldout(self) -> dict[str, Any]:
-        """Held-out flag rates at the calibrated threshold (``deployable.json``'s 'heldout'):
-        per set, then split by the network's answer on clean images, then each attack's
-        successful images as a PNG client sends them."""
-        threshold = self.calibration.threshold
+    def heldout(self, threshold: float | None = None) -> dict[str, Any]:
+        """Held-out flag rates at ``threshold`` (default: the calibrated one; ``deployable.json``'s
+        'heldout'): per set, then split by the network's answer on clean images, then each
+        attack's successful images as a PNG client sends them."""
+        threshold = self.calibration.threshold if threshold is None else threshold
         flagged = self.scores["clean"] > threshold
         return (
             _heldout_rates(self.scores, self.successful, threshold)
             | _clean_by_prediction(flagged, self.misclassified)
             | _rates_on(self.png_scores, self.png_successful, threshold, "png_successful")
         )
+
+    def operating_heldout(self) -> list[dict[str, Any]]:
+        """``deployable.json``'s 'operating_points': each point's calibration and its held-out
+        rates (:meth:`heldout` at its threshold), by target FPR."""
+        return [
+            {"calibration": point.to_dict(), "heldout": self.heldout(point.threshold)}
+            for point in self.operating_points
+        ]
 
 
 def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
@@ -111,6 +128,7 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
             "calibration_images": deployed.calibration_images,
             "features": asdict(deployed.features),
             "heldout": deployed.heldout(),
+            "operating_points": deployed.operating_heldout(),
             "split_seed": SPLIT_SEED,
             "test_fraction": run.config.test_fraction,
         },
@@ -156,12 +174,13 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
     calibration_scores = calibration_clean_scores(
         guard, fitted, data.clean, split, validation_images(run, name)
     )
-    calibration = Calibration.from_scores(
+    points = operating_points(
         np.concatenate(list(calibration_scores.values())),
         config.target_fpr,
         default_vote_threshold=0.5 if own is None else own,
         confidence=config.calibration_confidence,
     )
+    calibration = next(p for p in points if p.target_fpr == config.target_fpr)
     held_out_clean = split.test(data.clean)
     held_out = {k: split.test(v) for k, v in data.attacks.items()}
     scores = {"clean": _guard_scores(guard, held_out_clean)}
@@ -181,7 +200,34 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
         misclassified(run, name, held_out_clean),
         png_scores,
         png_successful,
+        points,
     )
+
+
+def operating_points(
+    clean_scores: np.ndarray,
+    target_fpr: float,
+    *,
+    default_vote_threshold: float,
+    confidence: float | None,
+) -> list[Calibration]:
+    """The clean scores calibrated at ``target_fpr`` and at each :data:`OPERATING_FPRS` target,
+    by target FPR (a target too strict for the number of clean scores at that confidence comes
+    back ``saturated``: see :class:`Calibration`)."""
+    points = []
+    for target in sorted({*OPERATING_FPRS, float(target_fpr)}):
+        with warnings.catch_warnings():
+            if target != target_fpr:  # a further point may saturate: recorded, not warned
+                warnings.simplefilter("ignore", CalibrationWarning)
+            points.append(
+                Calibration.from_scores(
+                    clean_scores,
+                    target,
+                    default_vote_threshold=default_vote_threshold,
+                    confidence=confidence,
+                )
+            )
+    return points
 
 
 def calibration_clean_scores(
@@ -233,14 +279,16 @@ def _fitted_as(saved: Path, detector: str, n_synthetic: int) -> bool:
     """Whether ``saved`` (a deployable.json) describes detector ``detector`` fitted with
     ``n_synthetic`` synthetic outliers, calibrated and measured as :func:`deploy` does (one
     written before the network's validation images joined the calibration has no 'validation'
-    count, one written before the PNG rates no 'n_png_successful')."""
+    count, one written before the PNG rates no 'n_png_successful', one written before the
+    operating points none)."""
     if not saved.is_file():
         return False
     previous = artefacts.read_json(saved)
     rows = previous.get("synthetic_outliers", {}).get("rows", 0)
     same = previous.get("kind") == detector and rows == n_synthetic
     calibrated = "validation" in (previous.get("calibration_images") or {})
-    return bool(same and calibrated and "n_png_successful" in (previous.get("heldout") or {}))
+    measured = "n_png_successful" in (previous.get("heldout") or {})
+    return bool(same and calibrated and measured and "operating_points" in previous)
 
 
 def synthetic_part(
@@ -441,6 +489,14 @@ def bundle_metrics(run: str | Path, info: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
+def offered_points(info: dict[str, Any]) -> list[Calibration]:
+    """The operating points of a deployable.json the bundle offers: every calibrated one but
+    those whose threshold saturated (the config's own target always: it is the bundle's)."""
+    own = (info.get("calibration") or {}).get("target_fpr")
+    points = [Calibration.from_dict(p.get("calibration")) for p in info.get("operating_points", [])]
+    return [p for p in points if not p.saturated or p.target_fpr == own]
+
+
 def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
     """The deployable bundle of a finished run (default RUN/bundle), with the clean band and the
     gallery that ``/v1/explain`` and the page show (:mod:`training.explain_assets`)."""
@@ -463,4 +519,5 @@ def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
         band=band,
         gallery=gallery,
         second_network_dir=RunDir(run).model(second) if second else None,
+        operating_points=offered_points(info),
     )

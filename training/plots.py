@@ -309,6 +309,29 @@ def plot_learning_curves(
     return _save(fig, path)
 
 
+def plot_operating_points(
+    curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    path: str | Path,
+    *,
+    served: float | None = None,
+    title: str = "",
+) -> Path:
+    """Flagged share (%) vs the clean FPR (%) it costs, one line per ``label: (clean FPRs,
+    flagged rates)`` (values in [0, 1], one point per operating point, drawn in percent); a
+    dotted vertical line at ``served``, the served point's clean FPR."""
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(8.0, 4.6))
+    for label, (fprs, rates) in curves.items():
+        ax.plot(100 * np.asarray(fprs), 100 * np.asarray(rates), marker="o", label=label)
+    if served is not None:
+        ax.axvline(100 * served, color="grey", linestyle=":", label="served by default")
+    ax.set(xlabel="held-out clean images flagged (%)", ylabel="held-out images flagged (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    _finish(fig, title, right=0.78)
+    return _save(fig, path)
+
+
 def plot_block_curves(
     grid: Mapping[str, Mapping[str, Mapping[str, Sequence[float | None]]]],
     path: str | Path,

@@ -1194,6 +1194,7 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
 def write_report(run_dir: Path) -> Path:
     """Write RUN/report.md and RUN/figures/*.png from the run's results, features and scores; return report.md."""
     from training.adaptive_report import adaptive_section  # it reads this module's helpers
+    from training.operating_report import operating_points_section  # likewise
     from training.selection_report import feature_selection_section  # likewise
 
     run = RunDir(run_dir)
@@ -1225,6 +1226,7 @@ def write_report(run_dir: Path) -> Path:
         *ood_section(ood, rows, config.get("ood_clean_ratio", 1.0)),
         *security_section(detection, rows),
         *deployed_section(run_dir, config, detection),
+        *operating_points_section(run_dir),
         *adaptive_section(results, run_dir),
         *learning_curve_section(run_dir, results),
         *timing_section(results),
