@@ -328,16 +328,19 @@ def write_bundle(
         default_vote_threshold=float(calibration.default_vote_threshold),
         metrics={k: float(v) for k, v in (metrics or {}).items()},
         explain=explain,
-        operating_points=[
-            OperatingPoint(
-                target_fpr=c.target_fpr, threshold=c.threshold, achieved_fpr=c.achieved_fpr
-            )
-            for c in sorted(operating_points, key=lambda c: c.target_fpr)
-        ],
+        operating_points=_manifest_points(operating_points),
         files={f: sha256_file(out / f) for f in files},
     )
     write_text(out / MANIFEST_FILE, manifest.model_dump_json(indent=2))
     return out
+
+
+def _manifest_points(calibrations: Sequence[Calibration]) -> list[OperatingPoint]:
+    """The manifest's operating points of ``calibrations``, by target FPR."""
+    return [
+        OperatingPoint(target_fpr=c.target_fpr, threshold=c.threshold, achieved_fpr=c.achieved_fpr)
+        for c in sorted(calibrations, key=lambda c: c.target_fpr)
+    ]
 
 
 def _second_source(
