@@ -251,6 +251,11 @@ def test_deploy_on_split_seed_0_is_the_shipped_detector_and_another_seed_another
     assert shipped.calibration_images == images and images["fitting"] > images["slice"] > 0
     assert images["validation"] == 500
     assert info["calibration"]["n"] == images["slice"] + images["fitting"] + images["validation"]
+    # Each source's share flagged at the threshold, weighted by its images, is the achieved FPR.
+    rates = info["calibration_fpr"]
+    assert shipped.calibration_fpr == rates and set(rates) == set(images)
+    pooled = sum(rates[k] * images[k] for k in images) / info["calibration"]["n"]
+    assert pooled == pytest.approx(info["calibration"]["achieved_fpr"], abs=1e-9)
     assert json.loads(json.dumps(shipped.heldout())) == info["heldout"]
     with np.load(run_dir / "detector" / "heldout_scores.npz", allow_pickle=False) as saved:
         np.testing.assert_array_equal(shipped.scores["clean"], saved["clean"])

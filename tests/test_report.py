@@ -462,6 +462,18 @@ def test_the_deployed_section_names_every_source_of_calibration_images(tmp_path:
         "validation images, which it never learnt from, and 500 of the detector's own fitting "
         "images scored by the parts that never saw them" in deployed
     )
+    assert "At that threshold it flags" not in deployed  # not recorded: not claimed
+    # With the per-source rates recorded, the paragraph gives each beside the held-out FPR.
+    info["calibration_fpr"] = {"slice": 0.05, "validation": 0.04, "fitting": 0.03}
+    (run / "detector" / "deployable.json").write_text(json.dumps(info))
+    deployed = " ".join(_section(write_report(run).read_text(), "Deployed detector").split())
+    held_out = 100 * info["heldout"]["fpr"]
+    assert (
+        "At that threshold it flags 5.00% of the calibration slice, 4.00% of the network's "
+        f"validation images, 3.00% of the detector's fitting images, and {held_out:.2f}% of the "
+        "held-out clean images." in deployed
+    )
+    del info["calibration_fpr"]
     info["calibration_images"] = {"slice": 200, "fitting": 700, "validation": 0}
     (run / "detector" / "deployable.json").write_text(json.dumps(info))
     deployed = " ".join(_section(write_report(run).read_text(), "Deployed detector").split())

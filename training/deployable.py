@@ -66,6 +66,7 @@ class Deployed:
     detector: Detector
     calibration: Calibration
     calibration_images: dict[str, int]  # clean images per source (calibration_clean_scores)
+    calibration_fpr: dict[str, float]  # per source, the share flagged at the calibrated threshold
     features: FeatureSpec
     train_attacks: list[str]
     train_pairs_per_attack: int
@@ -126,6 +127,7 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
             },
             "calibration": deployed.calibration.to_dict(),
             "calibration_images": deployed.calibration_images,
+            "calibration_fpr": deployed.calibration_fpr,
             "features": asdict(deployed.features),
             "heldout": deployed.heldout(),
             "operating_points": deployed.operating_heldout(),
@@ -191,6 +193,7 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
         fitted,
         calibration,
         {k: len(v) for k, v in calibration_scores.items()},
+        {k: float(np.mean(v > calibration.threshold)) for k, v in calibration_scores.items()},
         spec,
         keys,
         len(abnormal) // len(keys),
@@ -280,7 +283,7 @@ def _fitted_as(saved: Path, detector: str, n_synthetic: int) -> bool:
     ``n_synthetic`` synthetic outliers, calibrated and measured as :func:`deploy` does (one
     written before the network's validation images joined the calibration has no 'validation'
     count, one written before the PNG rates no 'n_png_successful', one written before the
-    operating points none)."""
+    operating points none, one written before the per-source calibration FPRs none)."""
     if not saved.is_file():
         return False
     previous = artefacts.read_json(saved)
@@ -288,7 +291,8 @@ def _fitted_as(saved: Path, detector: str, n_synthetic: int) -> bool:
     same = previous.get("kind") == detector and rows == n_synthetic
     calibrated = "validation" in (previous.get("calibration_images") or {})
     measured = "n_png_successful" in (previous.get("heldout") or {})
-    return bool(same and calibrated and measured and "operating_points" in previous)
+    recorded = "operating_points" in previous and "calibration_fpr" in previous
+    return bool(same and calibrated and measured and recorded)
 
 
 def synthetic_part(

@@ -809,6 +809,7 @@ def _calibration_note(
         f"rate's two-sided {100 * INTERVAL_CONFIDENCE:g}% Clopper-Pearson interval on them. The last "
         "column is the seen protocol's rate for the same network and detector trained on that "
         "attack alone (mean ± std over its runs)."
+        + _calibration_fpr_note(info)
         + _clean_split_note(info.get("heldout", {}))
         + _png_note(info.get("heldout", {}))
         + _saturation_note(calibration)
@@ -848,6 +849,30 @@ def _saturation_note(calibration: Mapping[str, Any]) -> str:
         "images for the confidence): only inputs scoring above every clean image are flagged, "
         "and a detector whose scores stop there flags nothing. Calibrate on more clean images.**"
     )
+
+
+#: deployable.json's calibration sources, as the report names them
+CALIBRATION_SOURCES = {
+    "slice": "the calibration slice",
+    "validation": "the network's validation images",
+    "fitting": "the detector's fitting images",
+}
+
+
+def _calibration_fpr_note(info: Mapping[str, Any]) -> str:
+    """' At the threshold, the calibration's sources flag ...' when recorded: a source that
+    reads cleaner than new images (the detector's own fitting images, say) pulls the threshold
+    down, and the held-out clean FPR above the achieved one."""
+    rates = info.get("calibration_fpr") or {}
+    held_out = (info.get("heldout") or {}).get("fpr")
+    if not rates:
+        return ""
+    listed = ", ".join(
+        f"{_percent(rate)}% of {CALIBRATION_SOURCES.get(source, source)}"
+        for source, rate in rates.items()
+    )
+    tail = "" if held_out is None else f", and {_percent(held_out)}% of the held-out clean images"
+    return f" At that threshold it flags {listed}{tail}."
 
 
 def _clean_split_note(heldout: Mapping[str, Any]) -> str:
