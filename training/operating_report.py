@@ -9,10 +9,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from detector import artefacts
-from detector.errors import ArtefactError
 from training.plots import plot_operating_points
-from training.report import OOD_PREFIX, figure_link, markdown_table, order_sets, set_label
+from training.report import (
+    OOD_PREFIX,
+    figure_link,
+    markdown_table,
+    order_sets,
+    read_optional_json,
+    set_label,
+)
 from training.rundir import RunDir
 
 FIGURE = "operating_points.png"
@@ -34,7 +39,7 @@ def operating_points_section(run_dir: Path) -> list[str]:
     deployable.json has none (or none to read)."""
     from training.deployable import DEPLOYABLE_FILE
 
-    info = _read(RunDir(run_dir).detector_dir / DEPLOYABLE_FILE)
+    info = read_optional_json(RunDir(run_dir).detector_dir / DEPLOYABLE_FILE, "deployable detector")
     points = [p for p in (info or {}).get("operating_points", []) if _usable(p)]
     if info is None or not points:
         return []
@@ -59,14 +64,6 @@ def operating_points_section(run_dir: Path) -> list[str]:
         title="Deployed detector: what each offered operating point flags",
     )
     return lines + figure_link(run_dir, figure, "The deployed detector at each operating point")
-
-
-def _read(path: Path) -> Mapping[str, Any] | None:
-    try:
-        data = artefacts.read_json(path, what="deployable detector") if path.is_file() else None
-    except ArtefactError:
-        return None
-    return data if isinstance(data, Mapping) else None
 
 
 def _usable(point: Any) -> bool:

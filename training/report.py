@@ -262,6 +262,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     return artefacts.read_json(path) if path.is_file() else {}
 
 
+def read_optional_json(path: Path, what: str) -> Mapping[str, Any] | None:
+    """A run file a section can do without: its JSON object, or None when it is missing,
+    damaged or not an object (that section is then left out, not the whole report)."""
+    try:
+        data = artefacts.read_json(path, what=what) if path.is_file() else None
+    except ArtefactError:
+        return None
+    return data if isinstance(data, Mapping) else None
+
+
 def _final_transport(run_dir: Path, model: str) -> float | None:
     """test_transport of the network's last training epoch, if any."""
     epochs = RunDir(run_dir).read_metrics(model)

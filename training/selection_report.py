@@ -7,11 +7,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from detector import artefacts
-from detector.errors import ArtefactError
-from training.report import MODEL_LABELS, markdown_table, order_sets, set_label
+from training.report import MODEL_LABELS, markdown_table, order_sets, read_optional_json, set_label
 from training.rundir import RunDir
 
+WHAT = "feature selection"
 NOTE = (
     "Each candidate is scored on the seed-0 split's training side only: its source images are cut "
     "into a fit part and a validation quarter, one {detector} detector is fitted on the fit part's "
@@ -31,13 +30,6 @@ GROUPS = (
 )
 
 
-def _read(path: Path) -> Mapping[str, Any] | None:
-    try:
-        return artefacts.read_json(path, what="feature selection") if path.is_file() else None
-    except ArtefactError:
-        return None
-
-
 def _table(selection: Mapping[str, Any]) -> str:
     attacks = order_sets(selection.get("attacks", []))
     chosen = selection.get("chosen")
@@ -54,13 +46,21 @@ def _table(selection: Mapping[str, Any]) -> str:
 
 def _own_selections(run: RunDir, model: str) -> list[Mapping[str, Any]]:
     """The selections of the detectors that chose their own set (``selection-<detector>.json``)."""
-    return [s for path in run.own_feature_selections(model) if (s := _read(path)) is not None]
+    return [
+        s
+        for path in run.own_feature_selections(model)
+        if (s := read_optional_json(path, WHAT)) is not None
+    ]
 
 
 def feature_selection_section(run_dir: Path, models: Sequence[str]) -> list[str]:
     """One table per network and selecting detector; nothing when no network has a selection."""
     run = RunDir(run_dir)
-    found = {m: s for m in models if (s := _read(run.feature_selection(m))) is not None}
+    found = {
+        m: s
+        for m in models
+        if (s := read_optional_json(run.feature_selection(m), WHAT)) is not None
+    }
     if not found:
         return []
     detector = next(iter(found.values())).get("detector", "?")
