@@ -497,6 +497,17 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 # ---- serve (issue: detection service) --------------------------------------------------------
+def _add_target_fpr(p: argparse.ArgumentParser) -> None:
+    """``--target-fpr``, the bundle's operating point ``serve`` and ``score`` flag at."""
+    p.add_argument(
+        "--target-fpr",
+        type=float,
+        default=None,
+        help="flag at the bundle's operating point for this target FPR (one of its manifest's "
+        "operating_points, e.g. 0.01; default: the target it was calibrated for)",
+    )
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -509,13 +520,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None, help="interface (default $LAPGUARD_HOST or 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default $LAPGUARD_PORT or 8000)")
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N (default auto)")
-    p.add_argument(
-        "--target-fpr",
-        type=float,
-        default=None,
-        help="flag at the bundle's operating point for this target FPR (one of its manifest's "
-        "operating_points, e.g. 0.01; default: the target it was calibrated for)",
-    )
+    _add_target_fpr(p)
     p.add_argument("--max-batch-size", type=int, default=None, help="most images per forward pass")
     p.add_argument("--max-wait-ms", type=float, default=None, help="longest wait to fill a batch")
     p.add_argument("--max-queue", type=int, default=None, help="most images waiting before 429")
@@ -616,13 +621,7 @@ def _add_score_engine_flags(p: argparse.ArgumentParser) -> None:
         help="data-loading processes, or Ray actors with --engine ray (default 2)",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument(
-        "--target-fpr",
-        type=float,
-        default=None,
-        help="flag at the bundle's operating point for this target FPR (one of its manifest's "
-        "operating_points; default: the target it was calibrated for)",
-    )
+    _add_target_fpr(p)
     p.add_argument(
         "--engine",
         choices=["local", "ray"],

@@ -870,7 +870,7 @@ CALIBRATION_SOURCES = {
 
 
 def _calibration_fpr_note(info: Mapping[str, Any]) -> str:
-    """' At the threshold, the calibration's sources flag ...' when recorded: a source that
+    """' At that threshold it flags X% of the calibration slice, ...' when recorded: a source that
     reads cleaner than new images (the detector's own fitting images, say) pulls the threshold
     down, and the held-out clean FPR above the achieved one."""
     rates = info.get("calibration_fpr") or {}
