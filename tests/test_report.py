@@ -514,3 +514,13 @@ def test_report_without_deployable_or_curves_leaves_those_sections_out(tmp_path:
     report = write_report(run).read_text()
     assert "## Deployed detector" not in report and "## Learning curves" not in report
     assert "## Security view" in report
+
+
+def test_a_damaged_deployable_leaves_its_sections_out_not_the_report(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    intact = write_report(run).read_text()
+    assert "## Deployed detector: held-out flag rates" in intact
+    (run / "detector" / "deployable.json").write_text('{"heldout": {"fpr": 0.0')  # cut short
+    report = write_report(run).read_text()
+    assert "## Deployed detector" not in report
+    assert "## Security view" in report and "## Learning curves" in report

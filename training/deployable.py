@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -493,12 +494,18 @@ def bundle_metrics(run: str | Path, info: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
+def is_offered(calibration: Mapping[str, Any], own_target: float | None) -> bool:
+    """Whether the bundle offers an operating point (its calibration, as deployable.json holds
+    it): every one whose threshold did not saturate, and the config's own target always (it is
+    the bundle's threshold)."""
+    return not calibration.get("saturated") or calibration.get("target_fpr") == own_target
+
+
 def offered_points(info: dict[str, Any]) -> list[Calibration]:
-    """The operating points of a deployable.json the bundle offers: every calibrated one but
-    those whose threshold saturated (the config's own target always: it is the bundle's)."""
+    """The operating points of a deployable.json the bundle offers (:func:`is_offered`)."""
     own = (info.get("calibration") or {}).get("target_fpr")
-    points = [Calibration.from_dict(p.get("calibration")) for p in info.get("operating_points", [])]
-    return [p for p in points if not p.saturated or p.target_fpr == own]
+    points = [p.get("calibration") or {} for p in info.get("operating_points", [])]
+    return [Calibration.from_dict(p) for p in points if is_offered(p, own)]
 
 
 def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:

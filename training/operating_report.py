@@ -15,7 +15,6 @@ from training.report import (
     figure_link,
     markdown_table,
     order_sets,
-    read_optional_json,
     set_label,
 )
 from training.rundir import RunDir
@@ -30,16 +29,15 @@ NOTE = (
     "images; clean: the held-out clean images flagged. Measured by the Guard on the held-out side "
     "(split seed {seed}); the test side chose nothing. A saturated point (its threshold is the "
     "clean scores' maximum: too few of them, or ties there) would flag almost nothing and is not "
-    "offered."
+    "offered, unless it is the bundle's own target (the threshold it serves by default)."
 )
 
 
-def operating_points_section(run_dir: Path) -> list[str]:
-    """The table and figure of the deployed detector's operating points; [] when the run's
-    deployable.json has none (or none to read)."""
-    from training.deployable import DEPLOYABLE_FILE
+def operating_points_section(run_dir: Path, info: Mapping[str, Any] | None) -> list[str]:
+    """The table and figure (in ``run_dir``'s figures) of the deployed detector's operating
+    points; [] when ``info`` (the run's deployable.json) has none."""
+    from training.deployable import is_offered
 
-    info = read_optional_json(RunDir(run_dir).detector_dir / DEPLOYABLE_FILE, "deployable detector")
     points = [p for p in (info or {}).get("operating_points", []) if _usable(p)]
     if info is None or not points:
         return []
@@ -56,7 +54,7 @@ def operating_points_section(run_dir: Path) -> list[str]:
         markdown_table(header, rows, left=1),
         "",
     ]
-    offered = [p for p in points if not p["calibration"].get("saturated")]
+    offered = [p for p in points if is_offered(p["calibration"], served)]
     figure = plot_operating_points(
         {set_label(key): _curve(offered, key) for key in sets},
         RunDir(run_dir).figures / FIGURE,
@@ -94,7 +92,7 @@ def _row(point: Mapping[str, Any], sets: Sequence[str], served: float | None) ->
     if target == served:
         label += " (served by default)"
     if calibration.get("saturated"):
-        label += " (saturated, not offered)"
+        label += " (saturated)" if target == served else " (saturated, not offered)"
     threshold = calibration.get("threshold")
     cells = [_cell(heldout.get("fpr")), *(_cell(_rate(heldout, key)) for key in sets)]
     return [label, f"{threshold:.4g}" if isinstance(threshold, int | float) else "", *cells]

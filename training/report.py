@@ -742,16 +742,21 @@ def _interval_cell(column: str, values: Mapping[str, float]) -> str:
     return f"{_percent(low)}–{_percent(high)}"
 
 
-def deployed_section(
-    run_dir: Path, config: Mapping[str, Any], detection: Sequence[Record]
-) -> list[str]:
-    """The shipped detector's held-out flag rates at its calibrated threshold (deployable.json),
-    beside the seen protocol's detection rate at the calibrated threshold."""
+def read_deployable(run_dir: Path) -> Mapping[str, Any] | None:
+    """The run's deployable.json (the shipped detector's sections read it), or None when it is
+    missing or damaged: those sections are then left out, not the whole report."""
     from training.deployable import DEPLOYABLE_FILE
 
-    info = _read_json(RunDir(run_dir).detector_dir / DEPLOYABLE_FILE)
-    heldout = info.get("heldout")
-    if not isinstance(heldout, Mapping):
+    return read_optional_json(RunDir(run_dir).detector_dir / DEPLOYABLE_FILE, "deployable detector")
+
+
+def deployed_section(
+    info: Mapping[str, Any] | None, config: Mapping[str, Any], detection: Sequence[Record]
+) -> list[str]:
+    """The shipped detector's held-out flag rates at its calibrated threshold (``info``: the
+    run's deployable.json), beside the seen protocol's detection rate there."""
+    heldout = (info or {}).get("heldout")
+    if info is None or not isinstance(heldout, Mapping):
         return []
     columns, table = heldout_table_data(heldout, config.get("ood_test", ()))
     kind, network = str(info.get("kind", "?")), str(info.get("network", "?"))
@@ -1248,7 +1253,7 @@ def write_report(run_dir: Path) -> Path:
     models = order_models([*results.get("models", {}), *(r["model"] for r in detection + ood)])
     detectors = order_detectors(r["detector"] for r in detection + ood)
     rows = [(m, d) for d in detectors for m in models]
-    scores = load_scores(run_dir)
+    scores, deployable = load_scores(run_dir), read_deployable(run_dir)
     figures = roc_figures(run_dir, scores) + feature_figures(run_dir, models)
     lines = [
         *header_section(config, results),
@@ -1260,8 +1265,8 @@ def write_report(run_dir: Path) -> Path:
         *unseen_section([r for r in detection if r["setting"] == "unseen"], rows),
         *ood_section(ood, rows, config.get("ood_clean_ratio", 1.0)),
         *security_section(detection, rows),
-        *deployed_section(run_dir, config, detection),
-        *operating_points_section(run_dir),
+        *deployed_section(deployable, config, detection),
+        *operating_points_section(run_dir, deployable),
         *adaptive_section(results, run_dir),
         *learning_curve_section(run_dir, results),
         *timing_section(results),
