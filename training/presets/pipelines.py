@@ -420,9 +420,9 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         # (chosen on the training side: benchmarks/RESULTS.md, issue 11, synthetic outliers).
         deploy_synthetic_outliers=1800,
         expected_duration=(
-            "~74 min on 2 CPU cores, alone (training 13, attacks 27, evaluation 32, deploying"
-            " and reporting 2; runs/q40, 2026-11-27, 1.21x the issue's preset, 59:57, on the"
-            " same machine; since then +25 s deploying, +47 s and +15 s evaluating: ~1.24x)"
+            "~52 min on 2 CPU cores, alone (training 9, attacks 18, evaluation 22, deploying"
+            " and reporting 2; 2026-11-29, 1.12-1.20x the issue's preset, 46:08, on the same"
+            " machine: benchmarks/RESULTS.md, session 58)"
         ),
         not_run=_CPU_NOT_RUN,
     ),
