@@ -45,7 +45,8 @@ def operating_points_section(run_dir: Path, info: Mapping[str, Any] | None) -> l
     sets = _sets(points[0]["heldout"])
     header = ["target FPR (%)", "threshold", "clean (FPR, %)"]
     header += [f"{set_label(key)} (%)" for key in sets]
-    rows = [_row(point, sets, served) for point in points]
+    offered = [p for p in points if is_offered(p["calibration"], served)]
+    rows = [_row(point, sets, served, offered=point in offered) for point in points]
     lines = [
         "## Deployed detector: its operating points",
         "",
@@ -54,7 +55,6 @@ def operating_points_section(run_dir: Path, info: Mapping[str, Any] | None) -> l
         markdown_table(header, rows, left=1),
         "",
     ]
-    offered = [p for p in points if is_offered(p["calibration"], served)]
     figure = plot_operating_points(
         {set_label(key): _curve(offered, key) for key in sets},
         RunDir(run_dir).figures / FIGURE,
@@ -85,14 +85,16 @@ def _rate(heldout: Mapping[str, Any], key: str) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
-def _row(point: Mapping[str, Any], sets: Sequence[str], served: float | None) -> list[str]:
+def _row(
+    point: Mapping[str, Any], sets: Sequence[str], served: float | None, *, offered: bool
+) -> list[str]:
     calibration, heldout = point["calibration"], point["heldout"]
     target = calibration.get("target_fpr")
     label = f"{100 * target:g}" if isinstance(target, int | float) else "?"
     if target == served:
         label += " (served by default)"
     if calibration.get("saturated"):
-        label += " (saturated)" if target == served else " (saturated, not offered)"
+        label += " (saturated)" if offered else " (saturated, not offered)"
     threshold = calibration.get("threshold")
     cells = [_cell(heldout.get("fpr")), *(_cell(_rate(heldout, key)) for key in sets)]
     return [label, f"{threshold:.4g}" if isinstance(threshold, int | float) else "", *cells]
