@@ -55,9 +55,13 @@ def browser() -> Iterator[object]:
 
 
 def _wait(driver, condition, timeout: float = 30.0):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout).until(condition)
+    # The page rebuilds its live panel on every refresh (#live-requests among it): an element
+    # found in one poll may be replaced before it is read; the next poll finds the new one.
+    wait = WebDriverWait(driver, timeout, ignored_exceptions=[StaleElementReferenceException])
+    return wait.until(condition)
 
 
 def _css(driver, selector: str) -> list:
