@@ -138,6 +138,46 @@ def test_protocols_are_leak_free_and_report_mean_and_std(world) -> None:
         assert fitted and not fitted & test_side
 
 
+class RecordingAbnormal(TransportDetector):
+    """The real transport detector, recording the abnormal rows each fit learnt from."""
+
+    abnormal_rows: list[int] = []
+
+    def fit_samples(self, clean: Samples, abnormal: Samples) -> TransportDetector:  # type: ignore[override]
+        RecordingAbnormal.abnormal_rows.append(len(abnormal))
+        return super().fit_samples(clean, abnormal)
+
+
+def test_a_set_kept_for_training_is_learnt_whole_and_never_tested_on(world) -> None:
+    """The OOD protocol's synthetic set (the seed's experiment on another distribution) trains a
+    detector that is tested on every OOD set, with every one of its rows; no row tests it."""
+    clean, attacks, ood = world
+    rng = np.random.default_rng(5)
+    kept = {"synthetic": _samples("ood-synthetic", np.arange(90), 4.0, rng)}
+    RecordingAbnormal.abnormal_rows = []
+    records = run_protocols(
+        model="lap",
+        clean=clean,
+        attacks=attacks,
+        ood_sets=ood,
+        detectors=[RecordingAbnormal(n_estimators=10)],
+        seen=[],
+        unseen_train=None,
+        ood_train=["synthetic", "digits"],
+        seeds=[0, 1],
+        ood_clean_ratio=None,
+        ood_train_sets=kept,
+        progress=False,
+    )
+    pairs = {(r.train, r.test) for r in records}
+    assert pairs == {("synthetic", "digits"), ("synthetic", "noise"), ("digits", "noise")}
+    # per seed: the kept set whole (90 rows), then the OOD set's first half (40 of 80)
+    assert RecordingAbnormal.abnormal_rows == [90, 40, 90, 40]
+    rows = {(r.train, r.test): r.row() for r in records}
+    assert rows[("synthetic", "digits")]["accuracy"] > 0.9  # learnt at +4, digits sit at +4
+    assert rows[("synthetic", "noise")]["train_set"] == "synthetic"
+
+
 def test_the_ensemble_reuses_the_transport_forests_and_scores_as_if_fitted_alone(
     world, monkeypatch
 ) -> None:
@@ -320,6 +360,14 @@ def test_the_pipeline_config_refuses_a_clean_ratio_below_one_or_not_finite() -> 
     assert PIPELINE_PRESETS["smoke"].ood_clean_ratio == 1.0  # the seed's draw
     assert PIPELINE_PRESETS["quick"].ood_clean_ratio is None
     assert PIPELINE_PRESETS["full"].ood_clean_ratio is None
+
+
+def test_the_ood_protocol_trains_only_on_sets_it_knows() -> None:
+    base = PIPELINE_PRESETS["smoke"].model_dump()
+    assert "synthetic" in PipelineConfig(**{**base, "ood_train": ["synthetic"]}).ood_train
+    with pytest.raises(ValidationError, match="'letters' is neither an attack key"):
+        PipelineConfig(**{**base, "ood_train": ["fgm-eps0.1", "letters"]})
+    assert "synthetic" in PIPELINE_PRESETS["quick"].ood_train
 
 
 def test_every_detector_is_tested_on_the_same_ood_rows_whatever_ran_before_it(world) -> None:

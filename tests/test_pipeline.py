@@ -54,6 +54,11 @@ def test_results_json_follows_the_design_contract(smoke_run) -> None:
     )  # FGM ε=0.1 is clearly detectable even on a tiny network
     ood_keys = {"model", "detector", "train_set", "test_set", "accuracy", "auroc", "fpr_at_95_tpr"}
     assert {r["test_set"] for r in results["ood"]} == {"digits", "noise"}
+    # the seed's two OOD experiments: trained on an attack, and on synthetic outliers of each
+    # network's own validation images
+    assert {(r["model"], r["train_set"]) for r in results["ood"]} == {
+        (m, t) for m in ("vanilla", "lap") for t in ("fgm-eps0.1", "synthetic")
+    }
     assert all(ood_keys <= set(r) for r in results["ood"])
     timing = results["timing"]["feature_extraction_seconds"]
     assert timing["transport"] > 0 and timing["mahalanobis"] > 0
@@ -85,6 +90,30 @@ def test_the_evaluation_gives_the_protocols_the_runs_ood_clean_ratio(
     with pytest.raises(Asked):
         pipeline.evaluate(pipeline.PipelineRun.open(run, root=data_root, progress=False))
     assert asked == [None]
+
+
+def test_synthetic_training_outliers_are_made_of_validation_images_and_refused_when_short(
+    smoke_run, data_root, tmp_path
+) -> None:
+    """The OOD protocol's synthetic set is made from the network's own validation images (never
+    one of the test images the splits cut), once per network; a network that held back fewer
+    images than the set needs stops the evaluation with a message naming the way out."""
+    from detector.errors import ConfigError
+    from training.pipeline import PipelineRun, validation_images
+
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run, run)
+    (run / "evaluation.json").unlink()
+    opened = PipelineRun.open(run, root=data_root, progress=False)
+    synthetic = opened.samples("lap").ood_train["synthetic"]
+    held_back = validation_images(opened, "lap")
+    assert len(synthetic) == opened.config.ood_n == 200 and len(held_back) == 500
+    # row i is validation image i under transform i mod 6: row 2 is image 2 inverted
+    assert np.allclose(synthetic.images[2], 1.0 - held_back[2])
+    config = json.loads((run / "pipeline_config.json").read_text())
+    (run / "pipeline_config.json").write_text(json.dumps({**config, "ood_n": 600}))
+    with pytest.raises(ConfigError, match="held back 500: lower ood_n or take 'synthetic' out"):
+        PipelineRun.open(run, root=data_root, progress=False).samples("lap")
 
 
 def test_timings_record_every_step_and_the_report_sums_them(smoke_run) -> None:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset
 
 from detector import artefacts
 from detector.base import Detector
@@ -31,14 +30,17 @@ from detector.guard import Guard
 from detector.novelty import EnsembleDetector
 from detector.preprocessing import quantize_uint8
 from detector.registry import get_detector, list_detectors, load_detector
-from training.config import read_train_config
-from training.data import load_dataset, to_arrays
 from training.experiments import Samples, Split, concat
-from training.pipeline import PipelineRun, add_precomputed, on_all_cores, read_pipeline_config
+from training.pipeline import (
+    PipelineRun,
+    add_precomputed,
+    on_all_cores,
+    read_pipeline_config,
+    validation_images,
+)
 from training.presets.pipelines import PipelineConfig
 from training.rundir import RunDir
 from training.synthetic_outliers import SYNTHETIC_TRANSFORMS, synthetic_outliers
-from training.trainer import train_and_validation_sets
 
 DEPLOYABLE_FILE = "deployable.json"
 HELDOUT_SCORES_FILE = "heldout_scores.npz"
@@ -260,23 +262,6 @@ def calibration_clean_scores(
         held_back = guard.predict(validation).scores if len(validation) else np.empty(0)
         scores["validation"] = np.asarray(held_back, np.float64)
     return scores
-
-
-def validation_set(run: PipelineRun, name: str) -> Dataset:
-    """Network ``name``'s validation set (:func:`training.trainer.train_and_validation_sets` of
-    its ``train_config.json``): clean images of its training split that it held back, never
-    learnt from, and no detector is fitted on."""
-    config = read_train_config(run.dir.model_dir(name).train_config_file)
-    full_train = load_dataset(config.dataset, "train", root=run.root, verify=config.verify_data)
-    return train_and_validation_sets(config, full_train)[1]
-
-
-def validation_images(run: PipelineRun, name: str) -> np.ndarray:
-    """:func:`validation_set`'s images in its order; an empty array when it held none back."""
-    held_back = validation_set(run, name)
-    if not len(held_back):  # type: ignore[arg-type]
-        return np.empty(0, np.float32)
-    return to_arrays(held_back)[0]
 
 
 def _fitted_as(saved: Path, detector: str, n_synthetic: int) -> bool:

@@ -221,6 +221,7 @@ def run_protocols(
     target_fpr: float = 0.05,
     noisy_copies: Samples | None = None,
     ood_clean_ratio: float | None = 1.0,
+    ood_train_sets: dict[str, Samples] | None = None,
     progress: bool = True,
 ) -> list[ExperimentRecord]:
     """Run seen, unseen and OOD experiments for every detector over ``seeds``.
@@ -231,12 +232,16 @@ def run_protocols(
     external (their rows are split by position). ``noisy_copies`` (noised clean images,
     labelled clean) are added to the training side when given. ``ood_clean_ratio``: up to that
     many clean training rows per abnormal row in the OOD protocol (1: the seed's balanced sets;
-    None: every clean training row).
+    None: every clean training row). ``ood_train_sets``: abnormal sets the OOD protocol may train
+    on but never tests on (the synthetic outliers of the network's own validation images: the
+    seed's OOD experiment that trains on another distribution); each is used whole.
     """
     check_clean_ratio(ood_clean_ratio)  # before any fit, not when the OOD protocol draws
     universe = index_universe(clean, attacks)
     per_seed = len(seen) + (1 if unseen_train else 0) + len(ood_train)
-    protocols = _Protocols(model, attacks, ood_sets, target_fpr, ood_clean_ratio)
+    protocols = _Protocols(
+        model, attacks, ood_sets, target_fpr, ood_clean_ratio, dict(ood_train_sets or {})
+    )
     with tqdm(
         total=len(seeds) * len(detectors) * per_seed,
         desc=f"detection experiments ({model})",
@@ -316,6 +321,7 @@ class _Protocols:
     ood_sets: dict[str, Samples]
     target_fpr: float
     ood_clean_ratio: float | None = 1.0
+    ood_train_sets: dict[str, Samples] = field(default_factory=dict)  # trained on, never tested
     records: dict[tuple[str, str, str, str], ExperimentRecord] = field(default_factory=dict)
     forests: dict[tuple[Any, ...], TransportDetector] = field(default_factory=dict)
     clean_parts: dict[int, EnsembleDetector] = field(default_factory=dict)  # one seed's at a time
@@ -411,7 +417,8 @@ class _Protocols:
             self._record(detector, "unseen", train_key, key, outcome)
 
     def ood(self, prototype: Detector, sides: Sides, train_key: str) -> None:
-        """Train against one abnormal set (an attack or an OOD set), test on every other OOD set.
+        """Train against one abnormal set (an attack, an OOD set, or a set kept for training), test
+        on every other OOD set.
 
         The seed's OOD setting trains the detector to tell the data set from the abnormal set,
         then tests it on the data set vs an unseen set: the clean training rows are drawn from the
@@ -427,6 +434,8 @@ class _Protocols:
         if train_key in self.attacks:
             source = self.attacks[train_key]
             train_abnormal = sides.split.train(source)
+        elif train_key in self.ood_train_sets:
+            source = train_abnormal = self.ood_train_sets[train_key]
         else:
             source = self.ood_sets[train_key]
             train_abnormal = _positional_half(source, sides.seed, first=True)

@@ -9,15 +9,17 @@ from there.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from detector import artefacts, networks
 from detector.base import Detector
@@ -25,6 +27,7 @@ from detector.errors import ArtefactError, ConfigError
 from detector.features import FeatureSpec, extract_features
 from detector.registry import detector_info, get_detector
 from training import adversarial
+from training.config import read_train_config
 from training.data import load_dataset, load_ood, to_arrays
 from training.experiments import Samples, on_all_cores, run_protocols, save_first_scores
 from training.feature_selection import restrict, select_features, spec_columns, union_spec
@@ -32,8 +35,9 @@ from training.presets import get_train_preset
 from training.presets.pipelines import PipelineConfig
 from training.progress import PipelineProgress
 from training.rundir import RunDir
+from training.synthetic_outliers import SYNTHETIC_OOD, synthetic_outliers
 from training.timings import record_reference
-from training.trainer import train
+from training.trainer import train, train_and_validation_sets
 
 
 def read_pipeline_config(run: str | Path) -> PipelineConfig:
@@ -74,6 +78,7 @@ class NetworkSamples:
     attacks: dict[str, Samples]
     ood: dict[str, Samples]
     timing: dict[str, float]
+    ood_train: dict[str, Samples] = field(default_factory=dict)  # trained on, never tested
 
 
 class PipelineRun:
@@ -185,6 +190,7 @@ class PipelineRun:
                 {k: restrict(v, columns, names) for k, v in full.attacks.items()},
                 {k: restrict(v, columns, names) for k, v in full.ood.items()},
                 full.timing,
+                {k: restrict(v, columns, names) for k, v in full.ood_train.items()},
             )
         return self._samples[key]
 
@@ -249,7 +255,31 @@ class PipelineRun:
             f, predicted, _ = self._features(name, f"ood-{ood_name}", f"ood-{ood_name}-{n}", images)
             ood[ood_name] = Samples(f"ood-{ood_name}", images, f, predicted, np.arange(len(images)))
         timing = {"clean_images": float(len(x)), "transport_seconds": seconds}
-        return NetworkSamples(clean, attacks, ood, timing)
+        ood_train = {SYNTHETIC_OOD: self._synthetic_ood(name)}
+        return NetworkSamples(
+            clean, attacks, ood, timing, ood_train if SYNTHETIC_OOD in self.config.ood_train else {}
+        )
+
+    def _synthetic_ood(self, name: str) -> Samples:
+        """The OOD protocol's synthetic training set on network ``name``: ``ood_n`` synthetic
+        outliers (:mod:`training.synthetic_outliers`) of the network's own validation images,
+        which no split of the detector's test images holds (leak-free for every seed). Their
+        features are cached under a digest of the images."""
+        held_back = validation_images(self, name)
+        n = self.config.ood_n
+        if len(held_back) < n:
+            raise ConfigError(
+                f"the OOD protocol trains on {n} synthetic outliers of network {name!r}'s "
+                f"validation images, but it held back {len(held_back)}: lower ood_n or take "
+                f"{SYNTHETIC_OOD!r} out of ood_train"
+            )
+        spec = self.model(name).config.input_spec  # type: ignore[union-attr]
+        images, _ = synthetic_outliers(held_back[:n], spec.value_range, seed=0)
+        digest = hashlib.sha256(images.tobytes()).hexdigest()[:12]
+        f, predicted, _ = self._features(
+            name, f"ood-{SYNTHETIC_OOD}", f"ood-{SYNTHETIC_OOD}-{digest}", images
+        )
+        return Samples(f"ood-{SYNTHETIC_OOD}", images, f, predicted, np.arange(n))
 
     def _features(
         self, name: str, set_name: str, source: str, images: np.ndarray
@@ -323,6 +353,7 @@ def evaluate(run: PipelineRun) -> dict[str, Any]:
                 if run.config.noisy_copies
                 else None,
                 ood_clean_ratio=run.config.ood_clean_ratio,
+                ood_train_sets=data.ood_train,
                 progress=run.progress,
             )
             save_first_scores(records, run.dir.scores)
@@ -375,9 +406,8 @@ def _protocol_detectors(
                 seed=1,
             )
             detector.prepare(run.model(name), clean_x, clean_y)
-        add_precomputed(
-            run, name, detector, [data.clean, *data.attacks.values(), *data.ood.values()]
-        )
+        sets = [data.clean, *data.attacks.values(), *data.ood.values(), *data.ood_train.values()]
+        add_precomputed(run, name, detector, sets)
     return detectors
 
 
@@ -394,6 +424,23 @@ def add_precomputed(run: PipelineRun, name: str, detector: Detector, sets: list[
                 continue
         samples.extra.update(detector.precompute(run.model(name), samples.images))
         artefacts.save_npz(path, **{k: samples.extra[k] for k in keys})
+
+
+def validation_set(run: PipelineRun, name: str) -> Dataset:
+    """Network ``name``'s validation set (:func:`training.trainer.train_and_validation_sets` of
+    its ``train_config.json``): clean images of its training split that it held back, never
+    learnt from, and no detector is fitted on."""
+    config = read_train_config(run.dir.model_dir(name).train_config_file)
+    full_train = load_dataset(config.dataset, "train", root=run.root, verify=config.verify_data)
+    return train_and_validation_sets(config, full_train)[1]
+
+
+def validation_images(run: PipelineRun, name: str) -> np.ndarray:
+    """:func:`validation_set`'s images in its order; an empty array when it held none back."""
+    held_back = validation_set(run, name)
+    if not len(held_back):  # type: ignore[arg-type]
+        return np.empty(0, np.float32)
+    return to_arrays(held_back)[0]
 
 
 def _noisy_copies(

@@ -41,6 +41,7 @@ from training.plots import (
     plot_transport_histograms,
 )
 from training.rundir import RunDir
+from training.synthetic_outliers import SYNTHETIC_OOD
 from training.timings import grouped_minutes, read_timings, step_seconds
 
 NOT_RUN = "not run"
@@ -637,6 +638,14 @@ def ood_section(
         "FPR) / 2.",
         "",
     ]
+    if any(r["train_set"] == SYNTHETIC_OOD for r in records):
+        lines += [
+            f"{set_label(SYNTHETIC_OOD)}: the seed's experiment that trains on another "
+            "distribution than the one it tests (seed 003 §5.4.4, experiment 1): outliers made "
+            "from the network's own validation images, which no detector split holds (rotated "
+            "90°, upside down, inverted, tiles shuffled, zoomed, shrunk).",
+            "",
+        ]
     for metric in (ACCURACY, OOD_FLAGGED, FPR, AUROC, FPR_AT_95_TPR):
         if any(r.get(metric.key) is not None for r in records):
             table = metric_table(

@@ -19,6 +19,11 @@ import torch.nn.functional as F
 
 from detector.errors import InputError
 
+# The name of the OOD protocol's synthetic training set (``PipelineConfig.ood_train``): these
+# outliers of the network's own validation images, the seed's OOD experiment that trains on
+# another distribution than the one it is tested on (seed 003 section 5.4.4, experiment 1).
+SYNTHETIC_OOD = "synthetic"
+
 Transform = Callable[[np.ndarray, np.random.Generator, tuple[float, float]], np.ndarray]
 
 
