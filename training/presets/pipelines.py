@@ -427,9 +427,10 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         # (chosen on the training side: benchmarks/RESULTS.md, issue 11, synthetic outliers).
         deploy_synthetic_outliers=1800,
         expected_duration=(
-            "~52 min on 2 CPU cores, alone (training 9, attacks 18, evaluation 22, deploying"
-            " and reporting 2; 2026-11-29, 1.12-1.20x the issue's preset, 46:08, on the same"
-            " machine: benchmarks/RESULTS.md, session 58)"
+            "~54 min on 2 CPU cores, alone (training 9, attacks 18, evaluation 24, deploying"
+            " and reporting 2; 2026-11-29, ~1.16-1.25x the issue's preset, 46:08, on the same"
+            " machine: session 58's pair plus the synthetic OOD experiment's ~2 min, session 59,"
+            " benchmarks/RESULTS.md)"
         ),
         not_run=_CPU_NOT_RUN,
     ),
