@@ -112,8 +112,26 @@ def test_synthetic_training_outliers_are_made_of_validation_images_and_refused_w
     assert np.allclose(synthetic.images[2], 1.0 - held_back[2])
     config = json.loads((run / "pipeline_config.json").read_text())
     (run / "pipeline_config.json").write_text(json.dumps({**config, "ood_n": 600}))
-    with pytest.raises(ConfigError, match="held back 500: lower ood_n or take 'synthetic' out"):
+    with pytest.raises(ConfigError, match="holds back 500: lower ood_n or take 'synthetic' out"):
         PipelineRun.open(run, root=data_root, progress=False).samples("lap")
+
+
+def test_a_pipeline_that_asks_for_more_validation_images_than_held_back_stops_before_training(
+    data_root, tmp_path
+) -> None:
+    """Refused in seconds, not after the training and the attacks: nothing is written."""
+    from detector.errors import ConfigError
+    from training.pipeline import run_pipeline
+    from training.preflight import check_synthetic_ood
+    from training.presets.pipelines import get_pipeline_preset
+
+    config = get_pipeline_preset("smoke").model_copy(update={"ood_n": 501})
+    with pytest.raises(ConfigError, match="'vanilla'.s validation images, but it holds back 500"):
+        run_pipeline(config, tmp_path / "run", root=data_root, progress=False)
+    assert not (tmp_path / "run").exists()
+    check_synthetic_ood(config.model_copy(update={"ood_n": 500}), root=data_root)  # enough
+    without = config.model_copy(update={"ood_train": ["fgm-eps0.1"]})
+    check_synthetic_ood(without, root=data_root)  # nothing to check
 
 
 def test_timings_record_every_step_and_the_report_sums_them(smoke_run) -> None:

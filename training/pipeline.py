@@ -35,7 +35,7 @@ from training.presets import get_train_preset
 from training.presets.pipelines import PipelineConfig
 from training.progress import PipelineProgress
 from training.rundir import RunDir
-from training.synthetic_outliers import SYNTHETIC_OOD, synthetic_outliers
+from training.synthetic_outliers import SYNTHETIC_OOD, check_held_back, synthetic_outliers
 from training.timings import record_reference
 from training.trainer import train, train_and_validation_sets
 
@@ -267,12 +267,7 @@ class PipelineRun:
         features are cached under a digest of the images."""
         held_back = validation_images(self, name)
         n = self.config.ood_n
-        if len(held_back) < n:
-            raise ConfigError(
-                f"the OOD protocol trains on {n} synthetic outliers of network {name!r}'s "
-                f"validation images, but it held back {len(held_back)}: lower ood_n or take "
-                f"{SYNTHETIC_OOD!r} out of ood_train"
-            )
+        check_held_back(name, len(held_back), n)
         spec = self.model(name).config.input_spec  # type: ignore[union-attr]
         images, _ = synthetic_outliers(held_back[:n], spec.value_range, seed=0)
         digest = hashlib.sha256(images.tobytes()).hexdigest()[:12]
@@ -506,7 +501,11 @@ def run_pipeline(
 ) -> dict[str, Any]:
     """All steps, each cached: re-running after an interruption resumes, a finished run is a
     no-op. ``RUN/progress.json`` says which step runs (:mod:`training.progress`); returns the
-    contents of results.json."""
+    contents of results.json. A config whose OOD protocol asks networks for more validation
+    images than they will hold back is refused before anything is written."""
+    from training.preflight import check_synthetic_ood
+
+    check_synthetic_ood(config, root=root)
     init_run(config, run)
     pipeline = PipelineRun(config, run, root=root, progress=progress)
     steps = pipeline_steps(pipeline)

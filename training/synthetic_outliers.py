@@ -17,12 +17,24 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from detector.errors import InputError
+from detector.errors import ConfigError, InputError
 
 # The name of the OOD protocol's synthetic training set (``PipelineConfig.ood_train``): these
 # outliers of the network's own validation images, the seed's OOD experiment that trains on
 # another distribution than the one it is tested on (seed 003 section 5.4.4, experiment 1).
 SYNTHETIC_OOD = "synthetic"
+
+
+def check_held_back(network: str, held_back: int, n: int) -> None:
+    """Refuse an OOD protocol that trains on ``n`` synthetic outliers of network ``network``'s
+    validation images when it holds back only ``held_back``."""
+    if held_back < n:
+        raise ConfigError(
+            f"the OOD protocol trains on {n} synthetic outliers of network {network!r}'s "
+            f"validation images, but it holds back {held_back}: lower ood_n or take "
+            f"{SYNTHETIC_OOD!r} out of ood_train"
+        )
+
 
 Transform = Callable[[np.ndarray, np.random.Generator, tuple[float, float]], np.ndarray]
 
