@@ -157,6 +157,11 @@ class PipelineConfig(BaseModel):
         keys = [a.key for a in self.attacks]
         if len(set(keys)) != len(keys):
             raise ValueError(f"attack keys must be unique, got {keys}")
+        if SYNTHETIC_OOD in (*keys, *self.ood_test):
+            raise ValueError(
+                f"{SYNTHETIC_OOD!r} names the OOD protocol's synthetic outliers: "
+                "choose another attack key or OOD set"
+            )
         for name in [
             *(self.seen or []),
             *([self.unseen_train] if self.unseen_train else []),
