@@ -134,6 +134,25 @@ def test_a_pipeline_that_asks_for_more_validation_images_than_held_back_stops_be
     check_synthetic_ood(without, root=data_root)  # nothing to check
 
 
+def test_a_run_resumes_across_a_new_time_estimate_but_not_across_another_computation(
+    tmp_path,
+) -> None:
+    """A newer version's ``expected_duration`` (or another device) resumes the run directory and
+    keeps its saved config; a field that changes what is computed is refused."""
+    from detector.errors import ConfigError
+    from training.pipeline import init_run
+    from training.presets.pipelines import get_pipeline_preset
+
+    config = get_pipeline_preset("smoke")
+    run = tmp_path / "run"
+    init_run(config, run)
+    saved = (run / "pipeline_config.json").read_text()
+    init_run(config.model_copy(update={"expected_duration": "~3 min", "device": "cpu"}), run)
+    assert (run / "pipeline_config.json").read_text() == saved
+    with pytest.raises(ConfigError, match="holds a run of another pipeline config"):
+        init_run(config.model_copy(update={"ood_n": 100}), run)
+
+
 def test_timings_record_every_step_and_the_report_sums_them(smoke_run) -> None:
     """timings.jsonl: the machine's reference workload, then one line per step, in order; the
     report's run-time table adds up the steps before it."""

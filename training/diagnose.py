@@ -33,7 +33,7 @@ from detector import artefacts, dynamics, networks
 from detector.errors import ArtefactError, ConfigError
 from training import adversarial
 from training.pipeline import perturbed
-from training.presets.pipelines import DiagnoseConfig
+from training.presets.pipelines import NOT_COMPUTED, DiagnoseConfig
 from training.probes import fit_probes
 from training.rundir import RunDir
 
@@ -448,7 +448,7 @@ def run_diagnose_preset(
     saved = run.path / DIAGNOSE_CONFIG_FILE
     if saved.is_file():
         previous = DiagnoseConfig.model_validate_json(saved.read_text())
-        if previous.model_dump(exclude={"device"}) != config.model_dump(exclude={"device"}):
+        if previous.model_dump(exclude=NOT_COMPUTED) != config.model_dump(exclude=NOT_COMPUTED):
             raise ConfigError(
                 f"{run_dir} holds a run of another diagnose config; choose a new --run"
             )

@@ -32,7 +32,7 @@ from training.data import load_dataset, load_ood, to_arrays
 from training.experiments import Samples, on_all_cores, run_protocols, save_first_scores
 from training.feature_selection import restrict, select_features, spec_columns, union_spec
 from training.presets import get_train_preset
-from training.presets.pipelines import PipelineConfig
+from training.presets.pipelines import NOT_COMPUTED, PipelineConfig
 from training.progress import PipelineProgress
 from training.rundir import RunDir
 from training.synthetic_outliers import SYNTHETIC_OOD, check_held_back, synthetic_outliers
@@ -51,11 +51,12 @@ def read_pipeline_config(run: str | Path) -> PipelineConfig:
 
 
 def init_run(config: PipelineConfig, run: str | Path) -> None:
-    """Write the config, or check that the run directory was made with the same one."""
+    """Write the config, or check that the run directory was made with one that computes the
+    same (fields in ``NOT_COMPUTED`` may differ; the saved config is kept)."""
     path = RunDir(run).config_file
     if path.is_file():
         saved = PipelineConfig.model_validate_json(path.read_text())
-        if saved.model_dump(exclude={"device"}) != config.model_dump(exclude={"device"}):
+        if saved.model_dump(exclude=NOT_COMPUTED) != config.model_dump(exclude=NOT_COMPUTED):
             raise ConfigError(f"{run} holds a run of another pipeline config; choose a new --out")
     else:
         artefacts.write_text(path, config.model_dump_json(indent=2))

@@ -90,6 +90,11 @@ class AttackRun(BaseModel):
         return self.n_by_model.get(model, self.n)
 
 
+# Config fields that say where a run goes or how long it takes, not what it computes: a run
+# directory is resumed across them (a newer version's time estimate, another device).
+NOT_COMPUTED = {"device", "expected_duration"}
+
+
 class PipelineConfig(BaseModel):
     """train -> attack -> features -> detection protocols -> deployable detector -> report -> bundle."""
 
