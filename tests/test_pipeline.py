@@ -119,19 +119,22 @@ def test_synthetic_training_outliers_are_made_of_validation_images_and_refused_w
 def test_a_pipeline_that_asks_for_more_validation_images_than_held_back_stops_before_training(
     data_root, tmp_path
 ) -> None:
-    """Refused in seconds, not after the training and the attacks: nothing is written."""
+    """Refused in seconds at the first step, not after the training and the attacks: no network
+    is trained, and the run's progress says why (as the demo's page shows it)."""
     from detector.errors import ConfigError
-    from training.pipeline import run_pipeline
-    from training.preflight import check_synthetic_ood
+    from training.pipeline import check_synthetic_ood, run_pipeline
     from training.presets.pipelines import get_pipeline_preset
 
     config = get_pipeline_preset("smoke").model_copy(update={"ood_n": 501})
     with pytest.raises(ConfigError, match="'vanilla'.s validation images, but it holds back 500"):
         run_pipeline(config, tmp_path / "run", root=data_root, progress=False)
-    assert not (tmp_path / "run").exists()
-    check_synthetic_ood(config.model_copy(update={"ood_n": 500}), root=data_root)  # enough
+    assert not (tmp_path / "run" / "models").exists()
+    progress = json.loads((tmp_path / "run" / "progress.json").read_text())
+    assert progress["state"] == "failed" and progress["step"] == "train vanilla"
+    assert "lower ood_n" in progress["message"]
+    check_synthetic_ood(config.model_copy(update={"ood_n": 500}), "lap", root=data_root)  # enough
     without = config.model_copy(update={"ood_train": ["fgm-eps0.1"]})
-    check_synthetic_ood(without, root=data_root)  # nothing to check
+    check_synthetic_ood(without, "lap", root=data_root)  # nothing to check
 
 
 def test_a_run_resumes_across_a_new_time_estimate_but_not_across_another_computation(

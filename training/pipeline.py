@@ -307,10 +307,24 @@ class PipelineRun:
 
 # ---- steps -------------------------------------------------------------------------------------
 def train_model(run: PipelineRun, name: str) -> None:
-    """Train (or resume, or find finished) the config's network ``name``."""
+    """Train (or resume, or find finished) the config's network ``name``, once
+    :func:`check_synthetic_ood` has found its validation images enough."""
+    check_synthetic_ood(run.config, name, root=run.root)
     preset = run.config.models[name]
     train_config = get_train_preset(preset).model_copy(update={"device": run.config.device})
     train(train_config, run.dir.model(name), root=run.root, progress=run.progress)
+
+
+def check_synthetic_ood(config: PipelineConfig, name: str, *, root: Path | None = None) -> None:
+    """With ``synthetic`` in ``ood_train``, network ``name``'s training preset must hold back at
+    least ``ood_n`` validation images, which the OOD protocol's synthetic set is made from:
+    checked in seconds on the data set's training split, before hours of training and attacks
+    (a ConfigError naming the way out)."""
+    if SYNTHETIC_OOD not in config.ood_train:
+        return
+    full_train = load_dataset(config.dataset, "train", root=root, verify=False)
+    held_back = train_and_validation_sets(get_train_preset(config.models[name]), full_train)[1]
+    check_held_back(name, len(held_back), config.ood_n)  # type: ignore[arg-type]
 
 
 def train_models(run: PipelineRun) -> None:
@@ -502,11 +516,7 @@ def run_pipeline(
 ) -> dict[str, Any]:
     """All steps, each cached: re-running after an interruption resumes, a finished run is a
     no-op. ``RUN/progress.json`` says which step runs (:mod:`training.progress`); returns the
-    contents of results.json. A config whose OOD protocol asks networks for more validation
-    images than they will hold back is refused before anything is written."""
-    from training.preflight import check_synthetic_ood
-
-    check_synthetic_ood(config, root=root)
+    contents of results.json."""
     init_run(config, run)
     pipeline = PipelineRun(config, run, root=root, progress=progress)
     steps = pipeline_steps(pipeline)

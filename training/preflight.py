@@ -12,10 +12,9 @@ from detector import networks
 from detector.errors import ConfigError
 from training.attacks import make_attack_params
 from training.data import OOD_SETS, class_names, dataset_info, load_dataset
+from training.pipeline import check_synthetic_ood
 from training.presets import get_train_preset
 from training.presets.pipelines import PipelineConfig
-from training.synthetic_outliers import SYNTHETIC_OOD, check_held_back
-from training.trainer import train_and_validation_sets
 
 
 @dataclass
@@ -53,18 +52,6 @@ def check_names(config: PipelineConfig) -> None:
             dataset_info(name)
 
 
-def check_synthetic_ood(config: PipelineConfig, *, root: Path | None = None) -> None:
-    """With ``synthetic`` in ``ood_train``, every network's training preset must hold back at
-    least ``ood_n`` validation images (the synthetic set is made from them): checked on the
-    data set's training split, before any network trains. Raises ConfigError."""
-    if SYNTHETIC_OOD not in config.ood_train:
-        return
-    full_train = load_dataset(config.dataset, "train", root=root, verify=False)
-    for name, preset in config.models.items():
-        held_back = train_and_validation_sets(get_train_preset(preset), full_train)[1]
-        check_held_back(name, len(held_back), config.ood_n)  # type: ignore[arg-type]
-
-
 def _data_sets(config: PipelineConfig) -> list[tuple[str, str]]:
     """(data set, split) pairs the pipeline reads: its own train and test splits, and the test
     split of every OOD set that is a data set."""
@@ -77,7 +64,8 @@ def check_pipeline(config: PipelineConfig, *, root: Path | None = None) -> Prefl
     checksums are verified when training opens them), and one forward pass of each network
     on two test images. Raises ConfigError or DataNotFoundError naming what is wrong."""
     check_names(config)
-    check_synthetic_ood(config, root=root)
+    for name in config.models:
+        check_synthetic_ood(config, name, root=root)
     report = Preflight(config.name)
     for name, split in _data_sets(config):
         report.data[f"{name} {split}"] = len(load_dataset(name, split, root=root, verify=False))  # type: ignore[arg-type]
