@@ -367,6 +367,8 @@ def test_the_ood_protocol_trains_only_on_sets_it_knows() -> None:
     assert "synthetic" in PipelineConfig(**{**base, "ood_train": ["synthetic"]}).ood_train
     with pytest.raises(ValidationError, match="'letters' is neither an attack key"):
         PipelineConfig(**{**base, "ood_train": ["fgm-eps0.1", "letters"]})
+    with pytest.raises(ValidationError, match="'noise' is neither an attack key, an OOD set"):
+        PipelineConfig(**{**base, "ood_train": ["noise"], "ood_test": ["digits"]})  # never loaded
     with pytest.raises(ValidationError, match="'synthetic' names the OOD protocol's synthetic"):
         PipelineConfig(**{**base, "ood_test": ["digits", "synthetic"]})
     assert "synthetic" in PIPELINE_PRESETS["quick"].ood_train

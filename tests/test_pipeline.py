@@ -114,6 +114,10 @@ def test_synthetic_training_outliers_are_made_of_validation_images_and_refused_w
     (run / "pipeline_config.json").write_text(json.dumps({**config, "ood_n": 600}))
     with pytest.raises(ConfigError, match="holds back 500: lower ood_n or take 'synthetic' out"):
         PipelineRun.open(run, root=data_root, progress=False).samples("lap")
+    # a config that does not train on it never makes it, however few images were held back
+    without = {**config, "ood_n": 600, "ood_train": ["fgm-eps0.1"]}
+    (run / "pipeline_config.json").write_text(json.dumps(without))
+    assert PipelineRun.open(run, root=data_root, progress=False).samples("lap").ood_train == {}
 
 
 def test_a_pipeline_that_asks_for_more_validation_images_than_held_back_stops_before_training(
@@ -132,9 +136,9 @@ def test_a_pipeline_that_asks_for_more_validation_images_than_held_back_stops_be
     progress = json.loads((tmp_path / "run" / "progress.json").read_text())
     assert progress["state"] == "failed" and progress["step"] == "train vanilla"
     assert "lower ood_n" in progress["message"]
-    check_synthetic_ood(config.model_copy(update={"ood_n": 500}), "lap", root=data_root)  # enough
+    check_synthetic_ood(config.model_copy(update={"ood_n": 500}), root=data_root)  # enough
     without = config.model_copy(update={"ood_train": ["fgm-eps0.1"]})
-    check_synthetic_ood(without, "lap", root=data_root)  # nothing to check
+    check_synthetic_ood(without, root=data_root)  # nothing to check
 
 
 def test_a_run_resumes_across_a_new_time_estimate_but_not_across_another_computation(

@@ -256,16 +256,16 @@ class PipelineRun:
             f, predicted, _ = self._features(name, f"ood-{ood_name}", f"ood-{ood_name}-{n}", images)
             ood[ood_name] = Samples(f"ood-{ood_name}", images, f, predicted, np.arange(len(images)))
         timing = {"clean_images": float(len(x)), "transport_seconds": seconds}
-        ood_train = {SYNTHETIC_OOD: self._synthetic_ood(name)}
-        return NetworkSamples(
-            clean, attacks, ood, timing, ood_train if SYNTHETIC_OOD in self.config.ood_train else {}
-        )
+        ood_train = {}
+        if SYNTHETIC_OOD in self.config.ood_train:  # made only for a config that trains on it
+            ood_train[SYNTHETIC_OOD] = self._synthetic_ood(name)
+        return NetworkSamples(clean, attacks, ood, timing, ood_train)
 
     def _synthetic_ood(self, name: str) -> Samples:
         """The OOD protocol's synthetic training set on network ``name``: ``ood_n`` synthetic
         outliers (:mod:`training.synthetic_outliers`) of the network's own validation images,
-        which no split of the detector's test images holds (leak-free for every seed). Their
-        features are cached under a digest of the images."""
+        which no split of the detector's test images holds (leak-free for every seed). Its
+        features and its detectors' precomputed arrays are cached under a digest of the images."""
         held_back = validation_images(self, name)
         n = self.config.ood_n
         check_held_back(name, len(held_back), n)
@@ -275,7 +275,7 @@ class PipelineRun:
         f, predicted, _ = self._features(
             name, f"ood-{SYNTHETIC_OOD}", f"ood-{SYNTHETIC_OOD}-{digest}", images
         )
-        return Samples(f"ood-{SYNTHETIC_OOD}", images, f, predicted, np.arange(n))
+        return Samples(f"ood-{SYNTHETIC_OOD}-{digest}", images, f, predicted, np.arange(n))
 
     def _features(
         self, name: str, set_name: str, source: str, images: np.ndarray
@@ -308,23 +308,24 @@ class PipelineRun:
 # ---- steps -------------------------------------------------------------------------------------
 def train_model(run: PipelineRun, name: str) -> None:
     """Train (or resume, or find finished) the config's network ``name``, once
-    :func:`check_synthetic_ood` has found its validation images enough."""
-    check_synthetic_ood(run.config, name, root=run.root)
+    :func:`check_synthetic_ood` has found every network's validation images enough."""
+    check_synthetic_ood(run.config, root=run.root)
     preset = run.config.models[name]
     train_config = get_train_preset(preset).model_copy(update={"device": run.config.device})
     train(train_config, run.dir.model(name), root=run.root, progress=run.progress)
 
 
-def check_synthetic_ood(config: PipelineConfig, name: str, *, root: Path | None = None) -> None:
-    """With ``synthetic`` in ``ood_train``, network ``name``'s training preset must hold back at
+def check_synthetic_ood(config: PipelineConfig, *, root: Path | None = None) -> None:
+    """With ``synthetic`` in ``ood_train``, every network's training preset must hold back at
     least ``ood_n`` validation images, which the OOD protocol's synthetic set is made from:
-    checked in seconds on the data set's training split, before hours of training and attacks
-    (a ConfigError naming the way out)."""
+    checked in seconds on the data set's training split, at the start of every training step,
+    so before any network trains (a ConfigError naming the network and the way out)."""
     if SYNTHETIC_OOD not in config.ood_train:
         return
     full_train = load_dataset(config.dataset, "train", root=root, verify=False)
-    held_back = train_and_validation_sets(get_train_preset(config.models[name]), full_train)[1]
-    check_held_back(name, len(held_back), config.ood_n)  # type: ignore[arg-type]
+    for name, preset in config.models.items():
+        held_back = train_and_validation_sets(get_train_preset(preset), full_train)[1]
+        check_held_back(name, len(held_back), config.ood_n)  # type: ignore[arg-type]
 
 
 def train_models(run: PipelineRun) -> None:
@@ -438,8 +439,9 @@ def add_precomputed(run: PipelineRun, name: str, detector: Detector, sets: list[
 
 def validation_set(run: PipelineRun, name: str) -> Dataset:
     """Network ``name``'s validation set (:func:`training.trainer.train_and_validation_sets` of
-    its ``train_config.json``): clean images of its training split that it held back, never
-    learnt from, and no detector is fitted on."""
+    its ``train_config.json``): clean images of its training split that it held back and never
+    learnt from. No detector is fitted on them; the OOD protocol's synthetic set (fitted on,
+    never tested on) is made of transformed copies of its first ``ood_n``."""
     config = read_train_config(run.dir.model_dir(name).train_config_file)
     full_train = load_dataset(config.dataset, "train", root=run.root, verify=config.verify_data)
     return train_and_validation_sets(config, full_train)[1]

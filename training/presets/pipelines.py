@@ -175,7 +175,7 @@ class PipelineConfig(BaseModel):
         ]:
             if name not in keys:
                 raise ValueError(f"{name!r} is not one of the attack keys {keys}")
-        trainable = {*keys, *self.ood_test, "digits", "noise", SYNTHETIC_OOD}
+        trainable = {*keys, *self.ood_test, SYNTHETIC_OOD}  # an OOD set is split: half trains
         for name in self.ood_train:
             if name not in trainable:
                 raise ValueError(
