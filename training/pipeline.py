@@ -307,9 +307,10 @@ class PipelineRun:
 
 # ---- steps -------------------------------------------------------------------------------------
 def train_model(run: PipelineRun, name: str) -> None:
-    """Train (or resume, or find finished) the config's network ``name``, once
-    :func:`check_synthetic_ood` has found every network's validation images enough."""
-    check_synthetic_ood(run.config, root=run.root)
+    """Train (or resume, or find finished) the config's network ``name``. The first network's
+    step first checks the whole config (:func:`check_synthetic_ood`), once per run."""
+    if name == next(iter(run.config.models)):
+        check_synthetic_ood(run.config, root=run.root)
     preset = run.config.models[name]
     train_config = get_train_preset(preset).model_copy(update={"device": run.config.device})
     train(train_config, run.dir.model(name), root=run.root, progress=run.progress)
