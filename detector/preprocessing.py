@@ -87,6 +87,11 @@ def prepare_one(image: np.ndarray, spec: InputSpec, index: int) -> torch.Tensor:
     x = to_chw(x, spec, index)
     if x.shape == spec.shape:
         return x
+    if 0 in x.shape:
+        raise InputError(
+            f"image {index} is empty: shape {'x'.join(map(str, x.shape))} "
+            "(channels x height x width) has no pixels"
+        )
     if spec.resize == "strict":
         raise InputError(
             f"image {index} has shape {'x'.join(map(str, x.shape))} (channels x height x width); "

@@ -26,6 +26,7 @@ from service.schemas import Datatype, InferenceRequest, RequestInput, ResponseOu
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_MEDIA_TYPE = "application/octet-stream"
+MAX_DIMENSION = 2**31 - 1  # any one dimension of an input's shape
 
 NUMPY_DTYPES: dict[str, str] = {
     "BOOL": "|b1",
@@ -57,9 +58,10 @@ def parse_request(
     if header_length is None:
         header, binary = body, b""
     else:
-        if not header_length.strip().isdigit():
+        length_text = header_length.strip()
+        if not (length_text.isascii() and length_text.isdigit()):
             raise InputError(f"{HEADER_LENGTH} must be a byte count, got {header_length!r}")
-        length = int(header_length)
+        length = int(length_text)
         if length > len(body):
             raise InputError(f"{HEADER_LENGTH} is {length} but the body has only {len(body)} bytes")
         header, binary = body[:length], body[length:]
@@ -90,10 +92,15 @@ def parse_request(
 
 
 def element_count(tensor: RequestInput, *, max_first_dim: int) -> int:
-    """Checks the shape (non-negative, first dimension within the image limit) and returns its size."""
+    """Checks the shape (non-negative, first dimension within the image limit, each dimension
+    at most :data:`MAX_DIMENSION`) and returns its size."""
     if not tensor.shape or any(d < 0 for d in tensor.shape):
         raise InputError(
             f"input {tensor.name!r}: shape {tensor.shape} must be non-empty and non-negative"
+        )
+    if any(d > MAX_DIMENSION for d in tensor.shape):
+        raise InputTooLargeError(
+            f"input {tensor.name!r}: shape {tensor.shape} has a dimension over {MAX_DIMENSION}"
         )
     if tensor.shape[0] > max_first_dim:
         raise InputTooLargeError(
@@ -118,17 +125,33 @@ def decode_numeric(tensor: RequestInput, chunk: bytes | None, *, max_first_dim: 
             raise InputError(
                 f"input {tensor.name!r} has neither data nor parameters.binary_data_size"
             )
-        try:
-            array = np.asarray(tensor.data, dtype=dtype)
-        except (ValueError, TypeError) as error:
-            raise InputError(
-                f"input {tensor.name!r}: data is not a regular {tensor.datatype} array: {error}"
-            ) from error
+        array = _json_array(tensor, dtype)
         if array.size != count:
             raise InputError(
                 f"input {tensor.name!r}: shape {tensor.shape} needs {count} values, data has {array.size}"
             )
-    return array.reshape(tensor.shape).astype(dtype.newbyteorder("="))  # a writable native copy
+    try:
+        shaped = array.reshape(tensor.shape)
+    except ValueError as error:  # a zero-sized shape numpy cannot hold
+        raise InputError(
+            f"input {tensor.name!r}: shape {tensor.shape} is not usable: {error}"
+        ) from error
+    return shaped.astype(dtype.newbyteorder("="))  # a writable native copy
+
+
+def _json_array(tensor: RequestInput, dtype: np.dtype) -> np.ndarray:
+    """A numeric input's JSON ``data`` as ``dtype``: JSON booleans for BOOL, JSON numbers that
+    ``dtype`` holds for the others (strings, nulls and ragged lists are refused, not coerced)."""
+    wanted = "b" if tensor.datatype == "BOOL" else "iuf"
+    try:
+        values = np.asarray(tensor.data)
+        if values.size and values.dtype.kind not in wanted:
+            raise TypeError(f"its values are not JSON {'booleans' if wanted == 'b' else 'numbers'}")
+        return values.astype(dtype)
+    except (ValueError, TypeError, OverflowError) as error:
+        raise InputError(
+            f"input {tensor.name!r}: data is not a regular {tensor.datatype} array: {error}"
+        ) from error
 
 
 def decode_bytes(tensor: RequestInput, chunk: bytes | None, *, max_first_dim: int) -> list[bytes]:
@@ -171,6 +194,14 @@ def decode_bytes(tensor: RequestInput, chunk: bytes | None, *, max_first_dim: in
     return items
 
 
+def _flag(parameters: dict[str, Any] | None, name: str, default: bool) -> bool:
+    """A boolean request parameter: a JSON true or false, or ``default`` when absent."""
+    value = (parameters or {}).get(name, default)
+    if not isinstance(value, bool):
+        raise InputError(f"parameters.{name} must be true or false, got {value!r}")
+    return value
+
+
 def _flatten(data: Any) -> Any:
     for item in data:
         if isinstance(item, list):
@@ -184,7 +215,7 @@ def encode_outputs(
 ) -> tuple[list[ResponseOutput], bytes]:
     """The requested outputs (all when none are named) as JSON data or binary chunks."""
     by_name = {tensor.name: tensor for tensor in available}
-    binary_default = bool((request.parameters or {}).get("binary_data_output", False))
+    binary_default = _flag(request.parameters, "binary_data_output", False)
     wanted: list[tuple[OutputTensor, bool]] = []
     if request.outputs:
         for output in request.outputs:
@@ -192,7 +223,7 @@ def encode_outputs(
                 raise InputError(
                     f"unknown output {output.name!r}; this model has {', '.join(by_name)}"
                 )
-            binary = bool((output.parameters or {}).get("binary_data", binary_default))
+            binary = _flag(output.parameters, "binary_data", binary_default)
             wanted.append((by_name[output.name], binary))
     else:
         wanted = [(tensor, binary_default) for tensor in available]

@@ -417,6 +417,8 @@ class Runtime:
         guard = self.require_guard()
         batcher = self._batcher()
         blobs, names = list(blobs), list(names)
+        if not blobs:
+            raise InputError("the request holds no images (N = 0)")
         if sum(image_pixels(blob) for blob in blobs) <= INLINE_PIXELS:
             arrays = [
                 self._decode(blob, name, guard) for blob, name in zip(blobs, names, strict=True)

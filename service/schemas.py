@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -252,7 +252,7 @@ class ModelMetadata(BaseModel):
 
 class RequestInput(BaseModel):
     name: str
-    shape: list[int] = Field(description="tensor shape; FP32 images are [N, C, H, W]")
+    shape: list[StrictInt] = Field(description="tensor shape; FP32 images are [N, C, H, W]")
     datatype: Datatype
     parameters: dict[str, Any] | None = None
     data: list[Any] | None = Field(default=None, description="row-major values (flat or nested)")

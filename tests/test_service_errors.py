@@ -105,6 +105,83 @@ ERROR_CASES = {
         422,
         "validation_error",
     ),
+    "empty BYTES batch": (
+        "/v2/models/tiny/infer",
+        lambda im: {
+            "json": {"inputs": [{"name": "image", "shape": [0], "datatype": "BYTES", "data": []}]}
+        },
+        400,
+        "invalid_input",
+    ),
+    "zero-sized tensor image": (
+        "/v2/models/tiny/infer",
+        lambda im: v2_request([1, 1, 0, 0], 0),
+        400,
+        "invalid_input",
+    ),
+    "number too large for JSON data": (
+        "/v2/models/tiny/infer",
+        lambda im: {
+            "content": b'{"inputs": [{"name": "input", "shape": [1], "datatype": "FP32", "data": [1'
+            + b"0" * 400
+            + b"]}]}",
+            "headers": JSON,
+        },
+        400,
+        "invalid_input",
+    ),
+    "dimension too large": (
+        "/v2/models/tiny/infer",
+        lambda im: v2_request([0, 2**63], 0),
+        413,
+        "payload_too_large",
+    ),
+    "dimensions too large together": (
+        "/v2/models/tiny/infer",
+        lambda im: v2_request([0, 2**30, 2**30, 2**30], 0),
+        400,
+        "invalid_input",
+    ),
+    "strings as numbers": (
+        "/v2/models/tiny/infer",
+        lambda im: {
+            "json": {
+                "inputs": [
+                    {"name": "input", "shape": [1, 1, 1, 1], "datatype": "FP32", "data": ["0.5"]}
+                ]
+            }
+        },
+        400,
+        "invalid_input",
+    ),
+    "shape as strings": (
+        "/v2/models/tiny/infer",
+        lambda im: {
+            "json": {
+                "inputs": [{"name": "input", "shape": ["1"], "datatype": "FP32", "data": [0.5]}]
+            }
+        },
+        422,
+        "validation_error",
+    ),
+    "binary_data_output as a string": (
+        "/v2/models/tiny/infer",
+        lambda im: {
+            "json": v2_request([1, 1, 28, 28], 784)["json"]
+            | {"parameters": {"binary_data_output": "false"}}
+        },
+        400,
+        "invalid_input",
+    ),
+    "header length as a non-ASCII digit": (
+        "/v2/models/tiny/infer",
+        lambda im: {
+            "content": b'{"inputs": []}',
+            "headers": {"Inference-Header-Content-Length": b"\xb2", **JSON},
+        },
+        400,
+        "invalid_input",
+    ),
     "unknown model": (
         "/v2/models/other/infer",
         lambda im: v2_request([1, 1, 28, 28], 784),
