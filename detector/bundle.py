@@ -122,9 +122,9 @@ class BundleManifest(BaseModel):
     network: NetworkConfig
     second_network: NetworkConfig | None = None  # the opinion network (DetectorSpec.second)
     detector: DetectorSpec
-    threshold: float
-    target_fpr: float
-    default_vote_threshold: float = 0.5
+    threshold: float = Field(allow_inf_nan=False)  # NaN or inf would flag nothing or everything
+    target_fpr: float = Field(gt=0, lt=1)
+    default_vote_threshold: float = Field(default=0.5, allow_inf_nan=False)
     metrics: dict[str, float] = Field(default_factory=dict)
     explain: ExplainSpec | None = None
     operating_points: list[OperatingPoint] = Field(default_factory=list)  # by target FPR

@@ -13,6 +13,7 @@ Architectures are looked up by name (:func:`get_model`, :func:`list_models`); we
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -56,6 +57,8 @@ class InputSpec(BaseModel):
                 f"mean and std need one value per channel ({self.channels}), "
                 f"got {len(self.mean)} and {len(self.std)}"
             )
+        if not all(math.isfinite(v) for v in (*self.value_range, *self.mean, *self.std)):
+            raise ValueError("value_range, mean and std must be finite numbers")
         if any(s <= 0 for s in self.std):
             raise ValueError("std values must be positive")
         if self.value_range[0] >= self.value_range[1]:

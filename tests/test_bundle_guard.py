@@ -216,6 +216,11 @@ def _edit_manifest(bundle_dir: Path, edit) -> None:
         ),
         (lambda m: m["files"].pop(DETECTOR_FILE), f"does not list required file.*{DETECTOR_FILE}"),
         (lambda m: m.update(surprise=1), "surprise"),
+        # a NaN or infinite threshold would load and flag nothing (or everything), silently
+        (lambda m: m.update(threshold=float("nan")), "threshold"),
+        (lambda m: m.update(threshold=float("inf")), "threshold"),
+        (lambda m: m.update(target_fpr=-3), "target_fpr"),
+        (lambda m: m["input_spec"].update(value_range=[0, float("inf")]), "must be finite"),
     ],
 )
 def test_invalid_manifest_is_refused_with_the_problem(bundle_dir: Path, edit, message: str) -> None:
