@@ -89,6 +89,22 @@ def image_pixels(data: bytes) -> int:
         return 0
 
 
+def readable_formats(formats: Sequence[str]) -> tuple[str, ...]:
+    """``formats`` upper-cased, checked to be image formats Pillow can open (ValueError names
+    the unknown ones and the known ones); at least one."""
+    accepted = tuple(f.upper() for f in formats)
+    if not accepted:
+        raise ValueError("accept at least one image format")
+    Image.init()
+    unknown = [f for f in accepted if f not in Image.OPEN]
+    if unknown:
+        raise ValueError(
+            f"unknown image format(s) {', '.join(unknown)}: Pillow opens "
+            f"{', '.join(sorted(Image.OPEN))}"
+        )
+    return accepted
+
+
 def _open(data: bytes, accepted: list[str]) -> Image.Image:
     """Open (header only) with the accepted formats' plugins; name the format when refused."""
     try:

@@ -10,7 +10,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from detector.errors import ConfigError
-from detector.images import DEFAULT_FORMATS, DEFAULT_MAX_PIXELS
+from detector.images import DEFAULT_FORMATS, DEFAULT_MAX_PIXELS, readable_formats
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
@@ -185,6 +185,12 @@ class Settings(BaseSettings):
         if value is None or (isinstance(value, str) and not value.strip()):
             return None
         return value
+
+    @field_validator("image_formats")
+    @classmethod
+    def _readable_formats(cls, formats: tuple[str, ...]) -> tuple[str, ...]:
+        """A format Pillow cannot open would fail every upload of another format with a 500."""
+        return readable_formats(formats)
 
     @model_validator(mode="after")
     def _queue_holds_a_request(self) -> Settings:

@@ -125,3 +125,19 @@ def test_a_removed_setting_is_refused_naming_what_replaced_it(monkeypatch) -> No
         load_settings()
     monkeypatch.delenv("LAPGUARD_QUERY_DISTANCE")
     assert load_settings().query_levels == 4
+
+
+@pytest.mark.parametrize(
+    ("formats", "message"),
+    [('["PNG", "JPG"]', "unknown image format.*JPG.*JPEG"), ("[]", "at least one image format")],
+)
+def test_image_formats_pillow_cannot_open_are_refused_at_start(
+    monkeypatch, formats: str, message: str
+) -> None:
+    """An unknown name would fail every upload of another format with a 500; none would refuse
+    every upload: both are refused when the settings load."""
+    monkeypatch.setenv("LAPGUARD_IMAGE_FORMATS", formats)
+    with pytest.raises(ConfigError, match=message):
+        load_settings()
+    monkeypatch.setenv("LAPGUARD_IMAGE_FORMATS", '["png", "jpeg"]')
+    assert load_settings().image_formats == ("PNG", "JPEG")
