@@ -260,6 +260,14 @@ def test_missing_input_and_nothing_to_score(tmp_path: Path) -> None:
         discover_inputs([tmp_path / "empty"])
 
 
+def test_an_output_directory_is_refused_naming_a_file(guard, folder, tmp_path) -> None:
+    from detector.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is a directory; name the output file"):
+        score_inputs(guard, [folder], tmp_path, num_workers=0, progress=False)
+    assert list(tmp_path.iterdir()) == [folder]
+
+
 def test_an_output_that_is_not_ours_is_refused_and_left_as_it_is(guard, folder, tmp_path) -> None:
     from detector.errors import ArtefactError
 

@@ -6,6 +6,7 @@ cool-down."""
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
+from detector.errors import LapguardError
+from service.batch.http import score_url
 from service.settings import Settings
 from tests.live_server import LiveServer
 from tests.service_helpers import LIMITS, encode, near_duplicates, square_like
@@ -184,3 +187,22 @@ def test_an_unreachable_redis_serves_unchecked_and_counts_it(
         assert response.status_code == 200, response.text
         assert response.json()["results"][0]["query_attack"] is False
         assert live.runtime.metrics.query_store_errors._value.get() == 1
+
+
+def test_batch_scoring_stopped_as_a_query_attack_says_so_and_keeps_its_rows(
+    service_bundle: Path, guard, fashion: np.ndarray, tmp_path: Path
+) -> None:
+    """``lapguard score --url`` on a folder of near-duplicates against a server that refuses
+    query attacks (403): the run stops with what to do (not "pass --api-key"), and the rows
+    answered before the refusal are in the output for a resumed run."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i, probe in enumerate(near_duplicates(fashion[3], K + 2, 0.01, seed=3)):
+        (folder / f"{i:02d}.png").write_bytes(_png(probe))
+    settings = _settings(service_bundle, query_attack_action="403", query_client="address")
+    out = tmp_path / "rows.jsonl"
+    refused = "403.*re-run the same command after the cool-down"
+    with LiveServer(settings, guard=guard) as live, pytest.raises(LapguardError, match=refused):
+        score_url(live.url, [folder], out, batch_size=1, concurrency=1, progress=False)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == K and not any(r.get("error") for r in rows)

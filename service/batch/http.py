@@ -10,7 +10,8 @@ At most ``concurrency`` requests are in flight (an httpx AsyncClient and a semap
 ``Retry-After``; an input still failing after the retries gets an ``error`` row (re-run with
 ``retry_errors`` to try those again). A request refused for its content (400, 413, 415, 422,
 500) is split in halves until the input at fault is alone, and only that one gets the error.
-A refused API key (401/403) or an unknown route (404) stops the run: no row could succeed.
+A refused API key (401), a client refused as a query attack (403) or an unknown route (404)
+stops the run, with what to do: no further row could succeed.
 Error answers are read in their route's shape: ``{"error": {"code", "message"}}`` under
 ``/v1``, the Open Inference Protocol's ``{"error": "message"}`` under ``/v2``.
 """
@@ -41,6 +42,14 @@ if TYPE_CHECKING:
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 FATAL_STATUSES = frozenset({401, 403, 404})
+FATAL_HINTS = {  # what to do, by status (an inference route answers 403 only to a query attack)
+    401: "; pass --api-key (or set LAPGUARD_API_KEY)",
+    403: (
+        "; the rows scored so far are kept: re-run the same command after the cool-down to go on, "
+        "or ask the server's operator for LAPGUARD_QUERY_ATTACK_ACTION=flag, which answers "
+        "near-duplicate images instead of refusing them"
+    ),
+}
 V2_OUTPUTS = ("probabilities", "label", "flagged", "score")
 
 
@@ -219,7 +228,7 @@ class HttpScorer:
     # ---- requests --------------------------------------------------------------------------------
     async def _request(self, send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response | str:
         """The answer to a request once it is not a retryable failure, or why it was given up.
-        401/403/404 raise: the run cannot succeed."""
+        401/403/404 raise (:data:`FATAL_HINTS`): the run cannot go on."""
         reason = ""
         for attempt in range(self.retries + 1):
             delay = self._backoff(attempt)
@@ -232,12 +241,7 @@ class HttpScorer:
                 if response.status_code in FATAL_STATUSES:
                     raise LapguardError(
                         f"{self.url} answered {response.status_code} to {response.request.url.path}: "
-                        f"{_message(response)}"
-                        + (
-                            "; pass --api-key (or set LAPGUARD_API_KEY)"
-                            if response.status_code in (401, 403)
-                            else ""
-                        )
+                        f"{_message(response)}{FATAL_HINTS.get(response.status_code, '')}"
                     )
                 if response.status_code not in RETRY_STATUSES:
                     return response

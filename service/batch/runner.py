@@ -117,6 +117,10 @@ def run_scoring(
     if fmt not in ("jsonl", "csv"):
         raise ConfigError(f"output format must be 'jsonl' or 'csv', got {fmt!r}")
     out = Path(out_path)
+    if out.is_dir():
+        raise ConfigError(
+            f"--out {out} is a directory; name the output file, e.g. {out / 'results.jsonl'}"
+        )
     items = discover_inputs(inputs)
     columns = output_columns(items)
     existing = read_output(out, fmt, columns)
