@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -72,6 +75,33 @@ def test_torchvision_on_disk_formats(tmp_path, name, writer, shape) -> None:
         assert tuple(x.shape) == shape and x.dtype == torch.float32
         assert tuple(x.shape) == dataset_info(name).input_spec().shape
         assert int(y) >= 0
+
+
+class _RunsCode:
+    """A pickle that would create a file when loaded (the kind a tampered batch holds)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_unverified_cifar_batches_never_run_code(tmp_path) -> None:
+    """Without the md5 check, CIFAR's pickled batches are read by an unpickler that builds only
+    containers and arrays: a batch naming any other callable is refused, and so is a truncated
+    one, each with an error naming the file; the payload never runs."""
+    write_cifar(tmp_path, classes=10)
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_1"
+    marker = tmp_path / "ran"
+    batch.write_bytes(pickle.dumps({"data": _RunsCode(marker), "labels": [0]}))
+    with pytest.raises(DataNotFoundError, match="data_batch_1.*not allowed in a data batch"):
+        load_dataset("cifar10", "train", root=tmp_path, verify=False)
+    assert not marker.exists()
+    write_cifar(tmp_path, classes=10)
+    batch.write_bytes(batch.read_bytes()[:100])
+    with pytest.raises(DataNotFoundError, match="data_batch_1 is not a readable CIFAR batch"):
+        load_dataset("cifar10", "train", root=tmp_path, verify=False)
 
 
 def test_md5_verification_refuses_copies_by_default(tmp_path) -> None:

@@ -22,6 +22,7 @@ from torchvision import datasets, transforms
 from detector.artefacts import atomic_path
 from detector.errors import ConfigError, DataNotFoundError
 from detector.networks import InputSpec
+from training.cifar_files import CIFAR10Files, CIFAR100Files
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 DEBIAN_PACKAGE = "dataset-fashion-mnist"
@@ -70,20 +71,6 @@ def _split_flag(split: str) -> bool:
     return split == "train"
 
 
-class _CIFAR10Files(datasets.CIFAR10):
-    """CIFAR-10 whose files are checked for presence only (md5 None): re-encoded or test copies."""
-
-    train_list = [(name, None) for name, _ in datasets.CIFAR10.train_list]
-    test_list = [(name, None) for name, _ in datasets.CIFAR10.test_list]
-    meta = {**datasets.CIFAR10.meta, "md5": None}
-
-
-class _CIFAR100Files(datasets.CIFAR100):
-    train_list = [(name, None) for name, _ in datasets.CIFAR100.train_list]
-    test_list = [(name, None) for name, _ in datasets.CIFAR100.test_list]
-    meta = {**datasets.CIFAR100.meta, "md5": None}
-
-
 class _SVHNFiles(datasets.SVHN):
     split_list = {
         split: [url, name, None] for split, (url, name, _) in datasets.SVHN.split_list.items()
@@ -103,12 +90,12 @@ def _mnist(root: Path, split: str, download: bool, verify: bool) -> Dataset:
 
 
 def _cifar10(root: Path, split: str, download: bool, verify: bool) -> Dataset:
-    cls = datasets.CIFAR10 if verify else _CIFAR10Files
+    cls = datasets.CIFAR10 if verify else CIFAR10Files
     return cls(str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download)
 
 
 def _cifar100(root: Path, split: str, download: bool, verify: bool) -> Dataset:
-    cls = datasets.CIFAR100 if verify else _CIFAR100Files
+    cls = datasets.CIFAR100 if verify else CIFAR100Files
     return cls(str(root), train=_split_flag(split), transform=_TO_TENSOR, download=download)
 
 
@@ -234,7 +221,8 @@ def load_dataset(
     """A torchvision data set by name; a missing data set is a DataNotFoundError naming the path.
 
     ``verify=False`` accepts CIFAR/SVHN files that are present but not torchvision's originals
-    (md5 not checked), e.g. small copies in torchvision's on-disk format.
+    (md5 not checked), e.g. small copies in torchvision's on-disk format; CIFAR's pickled batches
+    are then read without running code (:mod:`training.cifar_files`).
     """
     info = dataset_info(name)
     root = Path(root) if root is not None else default_root()
