@@ -15,14 +15,17 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+from pydantic import BaseModel, ValidationError
 from safetensors import SafetensorError
 from safetensors.numpy import load_file as _load_numpy
 from safetensors.numpy import save_file as _save_numpy
 
 from detector.errors import ArtefactError
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 _CHUNK = 1 << 20
 
@@ -122,14 +125,28 @@ def read_json(path: str | Path, *, what: str = "file") -> Any:
         raise ArtefactError(f"{what} {file} is not valid JSON: {error}") from error
 
 
+def read_model(path: str | Path, model: type[ModelT], *, what: str = "file") -> ModelT:
+    """A pydantic model saved as JSON; a missing, corrupt or invalid file raises ArtefactError
+    naming it (a run directory's saved config, a set's manifest)."""
+    data = read_json(path, what=what)
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise ArtefactError(f"{what} {path} is not a valid {model.__name__}: {error}") from error
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Every JSON line of a file (blank lines skipped); [] when the file does not exist. A
     corrupt line raises ArtefactError with its line number."""
     file = Path(path)
     if not file.is_file():
         return []
+    try:
+        text = file.read_text()
+    except UnicodeDecodeError as error:
+        raise ArtefactError(f"{file} is not text: {error}") from error
     rows = []
-    for number, line in enumerate(file.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -148,7 +165,10 @@ def append_jsonl(path: str | Path, row: dict[str, Any]) -> None:
 def load_npz(path: str | Path) -> dict[str, np.ndarray]:
     """Every array of an ``.npz`` (never unpickled); unreadable files raise ArtefactError."""
     try:
-        with np.load(path, allow_pickle=False) as data:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):  # one .npy array, not an archive
+            raise ValueError("it holds a single .npy array, not an .npz archive of arrays")
+        with loaded as data:
             return {k: data[k] for k in data.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
         raise ArtefactError(f"cannot read {path}: {error}") from error

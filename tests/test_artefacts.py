@@ -66,3 +66,15 @@ def test_write_jsonl_replaces_the_whole_file(tmp_path: Path) -> None:
     assert path.read_text() == '{"epoch": 1, "x": 0.5}\n{"epoch": 2, "x": null}\n'
     assert artefacts.read_jsonl(path) == rows
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]
+
+
+def test_corrupt_files_of_the_wrong_kind_are_artefact_errors(tmp_path: Path) -> None:
+    """A .npy saved where an .npz belongs, and bytes that are not text in a JSON-lines file, are
+    errors naming the file (they were a TypeError and a UnicodeDecodeError)."""
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    (tmp_path / "one.npy").rename(tmp_path / "one.npz")
+    with pytest.raises(ArtefactError, match="one.npz.*single .npy array"):
+        artefacts.load_npz(tmp_path / "one.npz")
+    (tmp_path / "rows.jsonl").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ArtefactError, match="rows.jsonl is not text"):
+        artefacts.read_jsonl(tmp_path / "rows.jsonl")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -39,6 +40,25 @@ def test_usage_errors_exit_2_with_one_line(argv, needle, capsys, tmp_path, monke
     assert main(argv) == 2
     assert needle in _error_line(capsys, argv[0])
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("saved", "needle"),
+    [
+        ('{"name": "qu', "pipeline config .*pipeline_config.json is not valid JSON"),
+        ('{"surprise": 1}', "pipeline config .*pipeline_config.json is not a valid PipelineConfig"),
+        (b"\xff\xfe", "pipeline config .*pipeline_config.json is not valid JSON"),
+    ],
+)
+def test_a_corrupt_saved_config_is_an_error_naming_it(saved, needle, capsys, tmp_path) -> None:
+    """Every step that opens a run reads its saved config: a truncated, edited or binary one is
+    one line naming the file, not a traceback, and the file is left as it is."""
+    path = tmp_path / "pipeline_config.json"
+    path.write_bytes(saved if isinstance(saved, bytes) else saved.encode())
+    for command in ("evaluate", "report"):
+        assert main([command, "--run", str(tmp_path)]) == 2
+        assert re.search(needle, _error_line(capsys, command))
+    assert path.read_bytes() == (saved if isinstance(saved, bytes) else saved.encode())
 
 
 def test_usage_error_is_the_config_error_of_the_cli() -> None:

@@ -11,7 +11,6 @@ folder appears in one rename.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import shutil
@@ -28,7 +27,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save as safetensors_bytes
 from tqdm.auto import tqdm
 
@@ -36,6 +35,7 @@ from detector import networks
 from detector.artefacts import (
     load_npz,
     read_json,
+    read_model,
     save_npz,
     sha256_bytes,
     sha256_file,
@@ -188,10 +188,7 @@ def load_adversarial_set(
     manifest_path, arrays_path = directory / MANIFEST_FILE, directory / ARRAYS_FILE
     if not manifest_path.is_file():
         raise ArtefactError(f"no manifest at {manifest_path}")
-    try:
-        manifest = SetManifest.model_validate(json.loads(manifest_path.read_text()))
-    except (json.JSONDecodeError, ValidationError) as error:
-        raise ArtefactError(f"invalid adversarial set manifest {manifest_path}: {error}") from error
+    manifest = read_model(manifest_path, SetManifest, what="adversarial set manifest")
     if expected_key is not None and manifest.key != expected_key:
         raise ArtefactError(
             f"manifest {manifest_path} has key {manifest.key}, expected {expected_key}: delete the folder"

@@ -61,7 +61,7 @@ class TrainConfig(BaseModel):
     test_subset: int | None = Field(None, ge=1)
     verify_data: bool = True
     amp: bool = False
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)  # what numpy and torch seed with
     device: str = "auto"
     num_workers: int = Field(0, ge=0)
     # Seed 000's layer-wise W-distances and seed 004's ICS per epoch into metrics.jsonl.
@@ -102,7 +102,7 @@ def read_train_config(path: str | Path) -> TrainConfig:
         raise ConfigError(f"config file not found: {path}")
     try:
         return TrainConfig.model_validate(json.loads(path.read_text()))
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"config file {path} is not valid JSON: {error}") from error
     except ValidationError as error:
         raise ConfigError(f"invalid training config {path}:\n{error}") from error

@@ -447,7 +447,7 @@ def run_diagnose_preset(
     run = RunDir(run_dir)
     saved = run.path / DIAGNOSE_CONFIG_FILE
     if saved.is_file():
-        previous = DiagnoseConfig.model_validate_json(saved.read_text())
+        previous = artefacts.read_model(saved, DiagnoseConfig, what="diagnose config")
         if previous.model_dump(exclude=NOT_COMPUTED) != config.model_dump(exclude=NOT_COMPUTED):
             raise ConfigError(
                 f"{run_dir} holds a run of another diagnose config; choose a new --run"

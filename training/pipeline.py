@@ -47,7 +47,7 @@ def read_pipeline_config(run: str | Path) -> PipelineConfig:
         raise ArtefactError(
             f"{run} is not a pipeline run directory (no {path.name}); run `lapguard pipeline` first"
         )
-    return PipelineConfig.model_validate_json(path.read_text())
+    return artefacts.read_model(path, PipelineConfig, what="pipeline config")
 
 
 def init_run(config: PipelineConfig, run: str | Path) -> None:
@@ -55,7 +55,7 @@ def init_run(config: PipelineConfig, run: str | Path) -> None:
     same (fields in ``NOT_COMPUTED`` may differ; the saved config is kept)."""
     path = RunDir(run).config_file
     if path.is_file():
-        saved = PipelineConfig.model_validate_json(path.read_text())
+        saved = artefacts.read_model(path, PipelineConfig, what="pipeline config")
         if saved.model_dump(exclude=NOT_COMPUTED) != config.model_dump(exclude=NOT_COMPUTED):
             raise ConfigError(f"{run} holds a run of another pipeline config; choose a new --out")
     else:
