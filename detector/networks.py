@@ -12,20 +12,19 @@ Architectures are looked up by name (:func:`get_model`, :func:`list_models`); we
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-from detector.artefacts import atomic_path, write_text
+from detector.artefacts import atomic_path, read_model, write_text
 from detector.errors import ArtefactError, ConfigError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -564,14 +563,20 @@ def resnext50(
 def build_network(config: NetworkConfig) -> ObservableResNet:
     """Build the (untrained) network a config describes; the config is attached as ``.config``."""
     spec = config.input_spec
-    model = get_model(
-        config.architecture,
-        num_classes=config.num_classes,
-        in_channels=spec.channels,
-        mean=spec.mean,
-        std=spec.std,
-        **config.arguments,
-    )
+    try:
+        model = get_model(
+            config.architecture,
+            num_classes=config.num_classes,
+            in_channels=spec.channels,
+            mean=spec.mean,
+            std=spec.std,
+            **config.arguments,
+        )
+    except (TypeError, ValueError, RuntimeError) as error:  # e.g. a negative width
+        raise ConfigError(
+            f"architecture {config.architecture!r} cannot be built with the arguments "
+            f"{config.arguments}: {error}"
+        ) from error
     model.config = config
     return model
 
@@ -601,10 +606,7 @@ def read_config(directory: str | Path) -> NetworkConfig:
         raise ArtefactError(
             f"no network config at {path}: a saved network is a directory with {CONFIG_FILE} and {WEIGHTS_FILE}"
         )
-    try:
-        return NetworkConfig.model_validate(json.loads(path.read_text()))
-    except (json.JSONDecodeError, ValidationError) as error:
-        raise ArtefactError(f"invalid network config {path}: {error}") from error
+    return read_model(path, NetworkConfig, what="network config")
 
 
 def load(directory: str | Path, *, device: str | torch.device = "cpu") -> ObservableResNet:

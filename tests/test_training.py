@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from detector import networks
-from detector.errors import ConfigError, DataNotFoundError
+from detector.errors import ArtefactError, ConfigError, DataNotFoundError
 from training.cli import main as cli_main
 from training.config import TrainConfig, read_train_config
 from training.losses import UzawaMultiplier, compute_loss, reverse_cross_entropy, transport_cost
@@ -179,6 +180,40 @@ def test_presets_are_valid_and_listed() -> None:
     assert get_train_preset("paper-cifar10-resnet110-rce").grad_clip is None
     with pytest.raises(ConfigError, match="unknown training preset 'nope'"):
         get_train_preset("nope")
+
+
+def test_a_config_that_cannot_train_never_claims_the_directory(tmp_path, data_root, capsys) -> None:
+    """A network its arguments cannot build, or a seed numpy cannot take, is refused with a
+    message before the config is saved, so the same --out takes the mended config."""
+    bad = _tiny_config(arguments={"width": -3, "depth": 2, "hidden": 8})
+    with pytest.raises(ConfigError, match="cannot be built with the arguments"):
+        train(bad, tmp_path / "a", root=data_root, progress=False)
+    assert not (tmp_path / "a" / "train_config.json").exists()
+    out = str(tmp_path / "b")
+    assert cli_main(["train", "--preset", "smoke-lap", "--seed", "-1", "--out", out]) == 2
+    assert "seed: Input should be greater than or equal to 0" in capsys.readouterr().err
+    assert not (tmp_path / "b" / "train_config.json").exists()
+    assert cli_main(["train", "--preset", "", "--out", out]) == 2
+    assert "unknown training preset ''" in capsys.readouterr().err
+
+
+def test_resume_takes_the_state_saved_with_the_weights(tmp_path, data_root) -> None:
+    """Interrupted between the checkpoint's two writes, the JSON state is an epoch behind the
+    weights: the resume reads the state saved inside the weights, and trains no epoch twice. A
+    corrupt checkpoint is an error naming what to delete."""
+    config, out = _tiny_config(epochs=1), tmp_path / "run"
+    train(config, out, root=data_root, progress=False)
+    saved = load_file(str(out / "checkpoint.safetensors"))
+    state = json.loads((out / "checkpoint.json").read_text())
+    (out / "checkpoint.json").write_text(json.dumps(state | {"epoch": 0}))
+    (out / "model.safetensors").unlink()
+    train(config, out, root=data_root, progress=False)
+    final = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(final[k], saved[f"model.{k}"]) for k in final)
+    (out / "model.safetensors").unlink()
+    (out / "checkpoint.safetensors").write_bytes(b"\x00" * 12)
+    with pytest.raises(ArtefactError, match="checkpoint in .* is unreadable"):
+        train(config, out, root=data_root, progress=False)
 
 
 def test_bad_config_files(tmp_path) -> None:

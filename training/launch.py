@@ -21,7 +21,7 @@ def resolve_train_config(
     (and validated again). Exactly one of ``preset`` and ``config_file`` is expected."""
     if (preset is None) == (config_file is None):
         raise ConfigError("give one training config: a preset name or a config file")
-    config = get_train_preset(preset) if preset else read_train_config(config_file)  # type: ignore[arg-type]
+    config = get_train_preset(preset) if preset is not None else read_train_config(config_file)  # type: ignore[arg-type]
     updates = {key: value for key, value in overrides.items() if value is not None}
     if not updates:
         return config

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -42,6 +43,8 @@ from training.initialization import init_weights
 from training.losses import UzawaMultiplier, compute_loss, transport_cost
 from training.plots import plot_training_curve
 from training.rundir import CHECKPOINT_STATE, ModelDir
+
+CHECKPOINT_STATE_KEY = "lapguard_state"  # the checkpoint's state in its safetensors metadata
 
 STEP_LOG_EVERY = 20
 
@@ -194,8 +197,8 @@ def _save_checkpoint(
             if isinstance(value, torch.Tensor):
                 tensors[f"optim.{index}.{key}"] = value.detach().contiguous().cpu()
     state = dict(state, param_groups=optim_state["param_groups"])
-    with artefacts.atomic_path(files.checkpoint_weights) as tmp:
-        save_file(tensors, str(tmp))
+    with artefacts.atomic_path(files.checkpoint_weights) as tmp:  # the state travels inside too
+        save_file(tensors, str(tmp), metadata={CHECKPOINT_STATE_KEY: json.dumps(state)})
     artefacts.write_json(files.checkpoint_state, state, indent=2)
 
 
@@ -203,9 +206,13 @@ def _load_checkpoint(
     files: ModelDir, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     try:
-        state = json.loads(files.checkpoint_state.read_text())
+        with safe_open(str(files.checkpoint_weights), "pt") as weights:
+            inside = (weights.metadata() or {}).get(CHECKPOINT_STATE_KEY)
+        # The weights' own state: an interruption between the two writes leaves the JSON file
+        # one epoch behind them (checkpoints written before the state travelled inside: the file).
+        state = json.loads(inside if inside is not None else files.checkpoint_state.read_text())
         tensors = load_file(str(files.checkpoint_weights))
-    except (OSError, ValueError, json.JSONDecodeError) as error:
+    except (OSError, ValueError, SafetensorError) as error:  # JSONDecodeError is a ValueError
         raise ArtefactError(
             f"checkpoint in {files.path} is unreadable ({error}); delete {CHECKPOINT_STATE} to start over"
         ) from error
@@ -265,15 +272,21 @@ def _loaders(
     )
 
 
-def _check_or_write_config(config: TrainConfig, files: ModelDir, rank: int) -> None:
-    """Refuse a directory trained with another config; otherwise save this one (rank 0)."""
+def _check_config(config: TrainConfig, files: ModelDir) -> None:
+    """Refuse a directory trained with another config."""
     if files.train_config_file.is_file():
-        saved = TrainConfig.model_validate_json(files.train_config_file.read_text())
+        saved = artefacts.read_model(files.train_config_file, TrainConfig, what="training config")
         if saved.fingerprint() != config.fingerprint():
             raise ConfigError(
                 f"{files.path} already holds a network trained with another config; choose a new --out"
             )
-    elif rank == 0:  # written whole, then renamed: other ranks never read half a file
+
+
+def _write_config(config: TrainConfig, files: ModelDir, rank: int) -> None:
+    """Save the config (rank 0) once its data loaded and its network was built, so a config
+    that fails either never claims the directory."""
+    if rank == 0 and not files.train_config_file.is_file():
+        # written whole, then renamed: other ranks never read half a file
         artefacts.write_text(files.train_config_file, config.model_dump_json(indent=2))
 
 
@@ -439,7 +452,7 @@ def train(
     files = ModelDir(out)
     files.path.mkdir(parents=True, exist_ok=True)
     rank, world_size = _env_rank()
-    _check_or_write_config(config, files, rank)
+    _check_config(config, files)
     epochs_done = files.read_metrics()
     if files.weights_file.is_file() and len(epochs_done) >= config.epochs:
         return epochs_done[-1]
@@ -451,6 +464,7 @@ def train(
         progress = progress and rank == 0
     train_loader, val_loader, test_loader, names = _loaders(config, root, world_size)
     model, net_config = _build_model(config, names, device)
+    _write_config(config, files, rank)
     optimizer, multiplier = _optimizer_and_multiplier(config, model)
     start_epoch = _resume(files, model, optimizer, multiplier)
     epochs_done = epochs_done[:start_epoch]
