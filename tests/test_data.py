@@ -104,6 +104,20 @@ def test_unverified_cifar_batches_never_run_code(tmp_path) -> None:
         load_dataset("cifar10", "train", root=tmp_path, verify=False)
 
 
+def test_image_folder_problems_name_the_folder_or_file(tmp_path) -> None:
+    """A split folder without class folders, and an image file that is not an image, are
+    DataNotFoundErrors naming where (they were a FileNotFoundError and a PIL traceback)."""
+    (tmp_path / "imagefolder" / "train").mkdir(parents=True)
+    with pytest.raises(DataNotFoundError, match="imagefolder.*class folder"):
+        load_dataset("imagefolder", "train", root=tmp_path)
+    write_tiny_imagenet(tmp_path / "tiny")
+    broken = next((tmp_path / "tiny" / "tiny-imagenet-200" / "val").rglob("*.JPEG"))
+    broken.write_bytes(b"not a jpeg")
+    dataset = load_dataset("imagefolder", "test", root=tmp_path / "tiny")
+    with pytest.raises(DataNotFoundError, match=f"{broken.name} is not a readable image"):
+        to_arrays(dataset)
+
+
 def test_md5_verification_refuses_copies_by_default(tmp_path) -> None:
     write_cifar(tmp_path, classes=10)
     with pytest.raises(DataNotFoundError, match="not found"):

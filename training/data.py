@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import Dataset, Subset, random_split
 from torchvision import datasets, transforms
 
@@ -116,11 +117,21 @@ def _imagefolder(root: Path, split: str, download: bool, verify: bool) -> Datase
         path = base / folder
         if path.is_dir():
             transform = transforms.Compose([transforms.Resize((64, 64)), transforms.ToTensor()])
-            return datasets.ImageFolder(str(path), transform=transform)
+            return datasets.ImageFolder(str(path), transform=transform, loader=_folder_image)
     raise DataNotFoundError(
         f"no image folder for split {split!r} under {root}: expected {root}/tiny-imagenet-200/"
         f"{'train' if split == 'train' else 'val'}/<class>/ or {root}/imagefolder/{split}/<class>/"
     )
+
+
+def _folder_image(path: str) -> Image.Image:
+    """An image folder's file as RGB (torchvision's loader); a file that is not a readable image
+    is a DataNotFoundError naming it, not a PIL traceback in the middle of a run."""
+    try:
+        with open(path, "rb") as handle:
+            return Image.open(handle).convert("RGB")
+    except (OSError, SyntaxError, ValueError) as error:  # UnidentifiedImageError is an OSError
+        raise DataNotFoundError(f"{path} is not a readable image: {error}") from error
 
 
 FASHION_CLASSES = (
@@ -228,7 +239,8 @@ def load_dataset(
     root = Path(root) if root is not None else default_root()
     try:
         dataset = info.loader(root, split, download, verify)
-    except RuntimeError as error:  # torchvision: "Dataset not found or corrupted..."
+    except (RuntimeError, FileNotFoundError) as error:  # torchvision: "not found or corrupted",
+        # an image folder without class folders
         hint = (
             "run `make data` (or `lapguard data`)"
             if name == "fashion-mnist"
