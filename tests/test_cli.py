@@ -15,6 +15,7 @@ from training.launch import resolve_train_config
 from training.presets.pipelines import list_pipeline_presets
 
 PAPER = "paper-cifar10-resnet110"
+ADAPTIVE = ["attack", "--adaptive", "--run", "r", "--attack", "feature-match"]
 
 
 def _error_line(capsys, command: str) -> str:
@@ -33,6 +34,12 @@ def _error_line(capsys, command: str) -> str:
         (["attack", "--run", "r", "--attack", "fgm", "--param", "eps"], "KEY=VALUE"),
         (["pipeline", "--preset", "nope"], "unknown pipeline preset 'nope'"),
         (["train", "--preset", "smoke-lap", "--epochs", "0"], "epochs: Input should be"),
+        (["attack", "--run", "r", "--attack", "fgm", "--seed", "-1"], "attack seed must be"),
+        (["attack", "--run", "r", "--attack", "fgm", "--batch-size", "0"], "batch size must be"),
+        (ADAPTIVE + ["--seed", "1", "--workers", "2"], "does not take --workers, --seed"),
+        (ADAPTIVE + ["--engine", "ray"], "does not take --engine ray"),
+        (ADAPTIVE + ["--limit", "-1"], "--limit must be at least 1, got -1"),
+        (ADAPTIVE + ["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(argv, needle, capsys, tmp_path, monkeypatch) -> None:

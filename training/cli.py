@@ -265,6 +265,7 @@ def _run_adaptive(args: argparse.Namespace) -> int:
         return _print_lines(adaptive_attack_lines())
     if args.run is None or args.attack is None:
         raise UsageError("attack --adaptive needs --run DIR and --attack NAME (see --list)")
+    _check_adaptive_flags(args)
     run = PipelineRun.open(args.run, root=args.root, progress=not args.no_progress)
     spec = TargetSpec(args.target, args.pool)
     rows = []
@@ -276,9 +277,29 @@ def _run_adaptive(args: argparse.Namespace) -> int:
             [(args.attack, _attack_params(args.param, args.eps))],
             n=args.n,
             limit=args.limit,
-            batch_size=args.batch_size or 10,
+            batch_size=args.batch_size if args.batch_size is not None else 10,
         )
     return _print_lines(adaptive_table(rows))
+
+
+def _check_adaptive_flags(args: argparse.Namespace) -> None:
+    """Refuse what ``attack --adaptive`` would ignore or misread: the set store's flags (it
+    attacks the test side of the run's own split, in one process, at seed 0) and a batch size or
+    limit under 1."""
+    ignored = {
+        "--engine ray": args.engine != "local",
+        "--workers": args.workers != 1,
+        "--ray-address": args.ray_address is not None,
+        "--ray-workers": args.ray_workers is not None,
+        "--split": args.split != "test",
+        "--seed": args.seed != 0,
+    }
+    given = [flag for flag, set_ in ignored.items() if set_]
+    if given:
+        raise UsageError(f"attack --adaptive does not take {', '.join(given)}")
+    for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
 
 
 # ---- pipeline / fit / evaluate / report / bundle ------------------------------------------------
