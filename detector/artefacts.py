@@ -174,6 +174,18 @@ def load_npz(path: str | Path) -> dict[str, np.ndarray]:
         raise ArtefactError(f"cannot read {path}: {error}") from error
 
 
+def load_cache(path: str | Path, keys: Iterable[str]) -> dict[str, np.ndarray] | None:
+    """A cache file's arrays when it exists, reads and holds every one of ``keys``; None (to
+    compute it again) when it is absent, corrupt or of another layout."""
+    if not Path(path).is_file():
+        return None
+    try:
+        cached = load_npz(path)
+    except ArtefactError:
+        return None
+    return cached if all(k in cached for k in keys) else None
+
+
 def load_arrays(path: str | Path) -> dict[str, np.ndarray]:
     """Numpy arrays from a safetensors file; unreadable files raise ArtefactError."""
     try:

@@ -78,3 +78,13 @@ def test_corrupt_files_of_the_wrong_kind_are_artefact_errors(tmp_path: Path) -> 
     (tmp_path / "rows.jsonl").write_bytes(b"\xff\xfe{}")
     with pytest.raises(ArtefactError, match="rows.jsonl is not text"):
         artefacts.read_jsonl(tmp_path / "rows.jsonl")
+
+
+def test_a_cache_that_is_absent_corrupt_or_of_another_layout_reads_as_none(tmp_path: Path) -> None:
+    path = tmp_path / "cache.npz"
+    assert artefacts.load_cache(path, ["a"]) is None
+    path.write_bytes(b"PK\x03\x04 cut short")
+    assert artefacts.load_cache(path, ["a"]) is None
+    artefacts.save_npz(path, a=np.arange(3))
+    assert artefacts.load_cache(path, ["a", "b"]) is None
+    np.testing.assert_array_equal(artefacts.load_cache(path, ["a"])["a"], np.arange(3))

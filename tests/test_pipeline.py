@@ -13,6 +13,7 @@ from detector.guard import Guard
 from detector.metrics import auroc
 from tests.conftest import run_smoke_pipeline
 from training.cli import main as cli_main
+from training.pipeline import PipelineRun
 
 pytestmark = pytest.mark.slow
 
@@ -617,3 +618,24 @@ def test_the_transport_forests_read_the_set_they_chose(smoke_run) -> None:
     section = (smoke_run / "report.md").read_text().split("## Feature sets, chosen on the")[1]
     assert f"**LAP**, transport: {own['chosen']}" in section
     assert f"**LAP**, ensemble: {shipped['chosen']}" in section
+
+
+def test_a_corrupt_feature_cache_is_computed_again(smoke_run, data_root, tmp_path) -> None:
+    """A feature cache that cannot be read (a disk error, a cut write) or lacks an array is a
+    cache: the run computes it again, to the same features, and writes it whole."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(smoke_run, run_dir)
+    cache = run_dir / "features" / "lap" / "clean.npz"
+    with np.load(cache, allow_pickle=False) as saved:
+        expected = saved["features"]
+        arrays = {k: saved[k] for k in saved.files if k != "source"}
+    for broken in (b"PK\x03\x04 cut short", None):
+        if broken is None:
+            np.savez(cache, **arrays)  # another layout: no 'source'
+        else:
+            cache.write_bytes(broken)
+        samples = PipelineRun.open(run_dir, root=data_root, progress=False).samples("lap")
+        assert samples.clean.features.shape[0] == expected.shape[0]
+        with np.load(cache, allow_pickle=False) as again:
+            np.testing.assert_allclose(again["features"], expected, rtol=1e-5, atol=1e-6)
+            assert "source" in again.files

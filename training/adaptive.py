@@ -184,12 +184,11 @@ def _attack_batches(
     for b, first in enumerate(range(0, len(rows), batch_size)):
         part = rows[first : first + batch_size]
         path = out / f"batch-{b:04d}.npz"
-        if path.is_file():
-            saved = artefacts.load_npz(path)
-            if np.array_equal(saved["rows"], part):
-                results.append(saved["x_adv"])
-                seconds += float(saved["seconds"])
-                continue
+        saved = artefacts.load_cache(path, ("rows", "x_adv", "seconds"))
+        if saved is not None and np.array_equal(saved["rows"], part):
+            results.append(saved["x_adv"])
+            seconds += float(saved["seconds"])
+            continue
         started = time.perf_counter()
         x_adv = run_adaptive(
             attack, attacker, start.x[part], start.x_start[part], start.y[part], params, seed=b

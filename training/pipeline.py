@@ -39,6 +39,9 @@ from training.synthetic_outliers import SYNTHETIC_OOD, check_held_back, syntheti
 from training.timings import record_reference
 from training.trainer import train, train_and_validation_sets
 
+# What a feature cache file holds (an older or corrupt one is computed again).
+FEATURE_CACHE_KEYS = ("features", "logits", "feature_names", "source", "seconds")
+
 
 def read_pipeline_config(run: str | Path) -> PipelineConfig:
     """The config saved in a run directory (ArtefactError when it is not one)."""
@@ -283,14 +286,14 @@ class PipelineRun:
         """(features, predicted labels, seconds) of ``images``, cached under the ``source`` key."""
         path = self.dir.features(name, set_name)
         names = self.union.names(self._blocks(name))
-        if path.is_file():
-            cached = artefacts.load_npz(path)
-            if (
-                str(cached["source"]) == source
-                and len(cached["features"]) == len(images)
-                and list(cached["feature_names"]) == names
-            ):
-                return cached["features"], cached["logits"].argmax(1), float(cached["seconds"])
+        cached = artefacts.load_cache(path, FEATURE_CACHE_KEYS)
+        if (
+            cached is not None
+            and str(cached["source"]) == source
+            and len(cached["features"]) == len(images)
+            and list(cached["feature_names"]) == names
+        ):
+            return cached["features"], cached["logits"].argmax(1), float(cached["seconds"])
         started = time.perf_counter()
         features, logits = self.extract(name, images, self.union)
         seconds = time.perf_counter() - started
@@ -429,11 +432,10 @@ def add_precomputed(run: PipelineRun, name: str, detector: Detector, sets: list[
     keys = detector.precompute_keys()
     for samples in sets if keys else []:
         path = run.dir.precomputed(name, detector.info.name, samples.name)
-        if path.is_file():
-            cached = artefacts.load_npz(path)
-            if all(k in cached for k in keys) and len(cached[keys[0]]) == len(samples):
-                samples.extra.update({k: cached[k] for k in keys})
-                continue
+        cached = artefacts.load_cache(path, keys)
+        if cached is not None and len(cached[keys[0]]) == len(samples):
+            samples.extra.update({k: cached[k] for k in keys})
+            continue
         samples.extra.update(detector.precompute(run.model(name), samples.images))
         artefacts.save_npz(path, **{k: samples.extra[k] for k in keys})
 
