@@ -338,7 +338,7 @@ def _neighbours(query: np.ndarray, rows: np.ndarray, planes: int, enough: int) -
         chunk = rows[candidates[start : start + CHUNK]]
         near = chunk[~far_pixels(query, chunk, planes).any(axis=1)]
         found += len(near)
-        flipped = bool(np.any((near[:, 0] & LABEL_MASK) != label))
+        flipped = flipped or bool(np.any((near[:, 0] & LABEL_MASK) != label))
         if found >= enough or (flipped and found >= FLIP_NEIGHBOURS):
             break
     return found, flipped

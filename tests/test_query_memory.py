@@ -17,12 +17,14 @@ import torch
 from PIL import Image
 
 from service.query_memory import (
+    CHUNK,
     LABEL_MASK,
     InProcessStore,
     QueryEmbedder,
     QueryMemory,
     QueryStore,
     RedisStore,
+    _neighbours,
     client_key,
     far_pixels,
     nearest_far_pixels,
@@ -196,6 +198,20 @@ def test_a_neighbour_labelled_otherwise_flags_from_the_second_neighbour(
     assert not memory.observe("other", crossed).any()
     probes = embed(torch.from_numpy(ball[1:4]), labels=np.array([2, 6, 6]))  # one request
     assert memory.observe("batched", probes).tolist() == [False, False, True]
+
+
+def test_a_neighbour_labelled_otherwise_is_remembered_past_a_chunk_of_decoys(
+    embed: QueryEmbedder, clean_images: np.ndarray
+) -> None:
+    """The flipped neighbour found in one chunk of candidates still counts when a later chunk
+    finds a same-label one: decoys that share the query's first pixel group but differ
+    elsewhere (one chunk and more of them) must not hide the flip."""
+    ball = near_duplicates(clean_images[3], 3, 0.01, seed=1)
+    query, flipped, same = embed(torch.from_numpy(ball), labels=np.array([2, 5, 2]))
+    decoys = np.repeat(query[None], CHUNK + 40, axis=0)
+    decoys[:, 1 + PLANES :] = ~decoys[:, 1 + PLANES :]  # every later pixel far
+    rows = np.concatenate([flipped[None], decoys, same[None]])
+    assert _neighbours(query, rows, PLANES, K) == (2, True)
 
 
 def test_a_request_is_compared_with_its_own_earlier_images(
