@@ -22,7 +22,9 @@ QUERY_NEIGHBOURS = 3
 class Settings(BaseSettings):
     """Everything the server can be told. Environment: ``LAPGUARD_<FIELD>`` (e.g. ``LAPGUARD_PORT``)."""
 
-    model_config = SettingsConfigDict(env_prefix="LAPGUARD_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="LAPGUARD_", extra="ignore", frozen=True, allow_inf_nan=False
+    )
 
     bundle: Path | None = Field(default=None, description="bundle directory to serve")
     host: str = Field(
@@ -181,9 +183,17 @@ class Settings(BaseSettings):
     @field_validator("api_key", "admin_key", mode="before")
     @classmethod
     def _empty_key_is_none(cls, value: Any) -> Any:
-        """An empty LAPGUARD_API_KEY (e.g. compose's ``${LAPGUARD_API_KEY:-}``) means no key."""
+        """An empty LAPGUARD_API_KEY (e.g. compose's ``${LAPGUARD_API_KEY:-}``) means no key; a
+        key no header can carry exactly is refused, or it would lock every client out."""
         if value is None or (isinstance(value, str) and not value.strip()):
             return None
+        if isinstance(value, str) and not (
+            value == value.strip() and value.isascii() and value.isprintable()
+        ):
+            raise ValueError(
+                "the key has surrounding whitespace (a secret file's trailing newline?) or "
+                "characters that are not printable ASCII: no client could present it in a header"
+            )
         return value
 
     @field_validator("image_formats")

@@ -141,3 +141,24 @@ def test_image_formats_pillow_cannot_open_are_refused_at_start(
         load_settings()
     monkeypatch.setenv("LAPGUARD_IMAGE_FORMATS", '["png", "jpeg"]')
     assert load_settings().image_formats == ("PNG", "JPEG")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("LAPGUARD_QUERY_COOLDOWN_S", "inf", "query_cooldown_s: Input should be a finite number"),
+        ("LAPGUARD_GRACEFUL_TIMEOUT_S", "nan", "graceful_timeout_s: Input should be a finite"),
+        ("LAPGUARD_API_KEY", "secret-key\n", "api_key.*surrounding whitespace"),
+        ("LAPGUARD_ADMIN_KEY", "clé", "admin_key.*not printable ASCII"),
+    ],
+)
+def test_settings_that_would_break_at_run_time_are_refused_at_start(
+    monkeypatch, name: str, value: str, message: str
+) -> None:
+    """An infinite cool-down made every refusal a 500 (its Retry-After); a key with a trailing
+    newline (a secret file's) or non-ASCII letters locked every client out. The refusal does
+    not show the key."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=message) as refused:
+        load_settings()
+    assert "secret-key" not in str(refused.value) and "clé" not in str(refused.value)
