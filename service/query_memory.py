@@ -210,9 +210,16 @@ class InProcessStore(QueryStore):
 
 
 #: Writes rows into a client's ring (one string, ``history`` slots of ``width`` bytes) at the slots
-#: its counter gives, and refreshes both keys' expiry: one round trip, atomic across replicas.
+#: its counter gives, and refreshes both keys' expiry: one round trip, atomic across replicas. A
+#: ring whose length disagrees with its counter (evicted alone under ``allkeys-lru``, or written
+#: with another ``history``) starts over with it: a write past its end would pad it with zero
+#: rows, which read as black images.
 _RING_APPEND = """
 local width, history, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local count = tonumber(redis.call('GET', KEYS[2]) or '0')
+if redis.call('STRLEN', KEYS[1]) ~= math.min(count, history) * width then
+  redis.call('DEL', KEYS[1], KEYS[2])
+end
 local first = redis.call('INCRBY', KEYS[2], #ARGV - 3) - (#ARGV - 3)
 for i = 4, #ARGV do
   redis.call('SETRANGE', KEYS[1], ((first + i - 4) % history) * width, ARGV[i])

@@ -291,3 +291,20 @@ def test_client_key_hides_the_api_key() -> None:
     keyed = client_key("secret-key", "10.0.0.1")
     assert keyed.startswith("key:") and "secret" not in keyed
     assert keyed == client_key("secret-key", "10.0.0.2")
+
+
+def test_a_redis_ring_evicted_without_its_counter_starts_over(
+    redis_url: str, embed: QueryEmbedder, clean_images: np.ndarray
+) -> None:
+    """Under allkeys-lru Redis may evict a client's ring and keep its counter; the next write
+    then landed past the end and padded the ring with zero rows (black images, label 0), which
+    later flagged a distinct dark image. The ring now starts over with its counter."""
+    import redis
+
+    store = RedisStore(redis_url, history=HISTORY, width=embed.width, ttl_s=60, prefix="t-evict:")
+    rows = _signatures(embed, clean_images[:40])
+    store.add("c", rows)
+    redis.Redis.from_url(redis_url).delete("t-evict:ring:c")
+    store.add("c", rows[:1])
+    recent = store.recent("c")
+    assert len(recent) == 1 and np.array_equal(recent[0], rows[0])
