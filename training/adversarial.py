@@ -434,10 +434,13 @@ class _SetPlan:
         return self.params.model_dump(mode="json")
 
 
-def check_seed(seed: int) -> None:
-    """An attack seed numpy's SeedSequence takes: a non-negative integer."""
+def check_set_options(seed: int, batch_size: int | None) -> None:
+    """An attack seed numpy's SeedSequence takes (a non-negative integer) and a batch size of at
+    least 1 (None: the attack's own)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"the attack seed must be a non-negative integer, got {seed!r}")
+    if batch_size is not None and batch_size < 1:
+        raise ConfigError(f"batch size must be at least 1, got {batch_size}")
 
 
 def _plan_set(
@@ -456,7 +459,6 @@ def _plan_set(
     resolved = make_attack_params(attack, params)
     if workers < 1:
         raise ConfigError(f"workers must be at least 1, got {workers}")
-    check_seed(seed)
     model_dir, net = None, model
     if isinstance(model, (str, Path)):
         model_dir = Path(model)
@@ -715,8 +717,7 @@ def get_or_generate(
     """
     if engine is not None and workers != 1:
         raise ConfigError("workers sets local processes; an engine chooses its own workers")
-    if batch_size is not None and batch_size < 1:
-        raise ConfigError(f"batch size must be at least 1, got {batch_size}")
+    check_set_options(seed, batch_size)
     plan = _plan_set(model, x, y, indices, attack, params, seed=seed, workers=workers)
     final = Path(cache_dir) / f"{attack}-{plan.key}"
     partial = Path(cache_dir) / f"{attack}-{plan.key}.partial"
@@ -819,9 +820,7 @@ def attack_run(
     make_attack_params(attack, params)
     if n is not None and n < 1:
         raise ConfigError(f"n must be positive, got {n}")
-    check_seed(seed)
-    if batch_size is not None and batch_size < 1:
-        raise ConfigError(f"batch size must be at least 1, got {batch_size}")
+    check_set_options(seed, batch_size)  # before any network or image is loaded
     run = RunDir(run_dir)
     sets: dict[str, AdversarialSet] = {}
     for name, model_dir in run.networks(model).items():

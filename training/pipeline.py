@@ -322,8 +322,9 @@ def train_model(run: PipelineRun, name: str) -> None:
 def check_synthetic_ood(config: PipelineConfig, *, root: Path | None = None) -> None:
     """With ``synthetic`` in ``ood_train``, every network's training preset must hold back at
     least ``ood_n`` validation images, which the OOD protocol's synthetic set is made from:
-    checked in seconds on the data set's training split, at the start of every training step,
-    so before any network trains (a ConfigError naming the network and the way out)."""
+    checked in seconds on the data set's training split, at the start of the first network's
+    training step, so before any network trains (a ConfigError naming the network and the way
+    out)."""
     if SYNTHETIC_OOD not in config.ood_train:
         return
     full_train = load_dataset(config.dataset, "train", root=root, verify=False)
