@@ -40,8 +40,8 @@ from detector.bundle import read_manifest
 from training.attacks import art_classifier
 from training.deployable import SPLIT_SEED
 from training.experiments import Split
-from training.pipeline import PipelineRun
 from training.report import markdown_table
+from training.run_context import PipelineRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ood_probe import served_rows  # noqa: E402

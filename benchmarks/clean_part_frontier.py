@@ -41,8 +41,8 @@ from detector.networks import InputSpec
 from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector, tail_ramp
 from training.experiments import Samples
 from training.outside_sets import outside_set
-from training.pipeline import PipelineRun, add_precomputed
 from training.report import markdown_table
+from training.run_context import PipelineRun, add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_combiners import part_matrix, part_names  # noqa: E402

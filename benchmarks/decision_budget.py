@@ -41,7 +41,7 @@ import torch
 from detector.calibration import calibrate_threshold
 from detector.novelty import EnsembleDetector, tail_ramp
 from training.experiments import Samples, balanced_draw
-from training.pipeline import add_precomputed
+from training.run_context import add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import ood_proxies, training_side, validation_cut  # noqa: E402

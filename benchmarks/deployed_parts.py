@@ -23,8 +23,8 @@ from detector.calibration import Calibration
 from detector.guard import Guard
 from training.deployable import SPLIT_SEED, load_deployable
 from training.experiments import Split
-from training.pipeline import PipelineRun
 from training.report import markdown_table
+from training.run_context import PipelineRun
 
 WITHOUT = {
     "every part (shipped)": (),

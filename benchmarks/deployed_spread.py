@@ -21,8 +21,8 @@ import numpy as np
 
 from detector import artefacts
 from training.deployable import deploy
-from training.pipeline import PipelineRun
 from training.report import markdown_table
+from training.run_context import PipelineRun
 
 
 def measure(run: PipelineRun, detector: str, seed: int) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import training.deployable as deployable
 from detector import artefacts
 from training.data import to_arrays
 from training.experiments import Samples, concat
-from training.pipeline import PipelineRun, add_precomputed, validation_set
+from training.run_context import PipelineRun, add_precomputed, validation_set
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from deployed_spread import measure, spread_table  # noqa: E402
@@ -49,7 +49,7 @@ RECIPE = "calibrated on the slice, the network's validation images and the fitti
 
 
 def validation_clean(run: PipelineRun, name: str) -> Samples:
-    """Network ``name``'s validation images (``training.pipeline.validation_set``, in a seeded
+    """Network ``name``'s validation images (``training.run_context.validation_set``, in a seeded
     order) with their features, for the fitting variant."""
     held_back = validation_set(run, name)
     images, _ = to_arrays(held_back, len(held_back), seed=0)  # type: ignore[arg-type]

@@ -54,8 +54,8 @@ from training.deployable import (
     with_family,
 )
 from training.experiments import Samples, Split
-from training.pipeline import PipelineRun, add_precomputed
 from training.report import markdown_table
+from training.run_context import PipelineRun, add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402
@@ -97,7 +97,7 @@ def successful(samples: Samples) -> Samples:
 
 def still_perturbed(samples: Samples, clean: Samples, value_range: tuple[float, float]) -> Samples:
     """The 8-bit rows that still differ from their clean source sent as 8-bit (the float sets'
-    rule, :func:`training.pipeline.perturbed`, after rounding)."""
+    rule, :func:`training.run_context.perturbed`, after rounding)."""
     row_of = {int(i): r for r, i in enumerate(clean.indices)}
     sources = clean.images[[row_of[int(i)] for i in samples.indices]]
     sources = quantize_uint8(sources, value_range)

@@ -27,8 +27,8 @@ from detector.calibration import calibrate_threshold
 from detector.margin import MARGIN_FEATURE
 from detector.novelty import EnsembleDetector
 from training.experiments import Samples
-from training.pipeline import add_precomputed
 from training.report import markdown_table
+from training.run_context import add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402

@@ -34,7 +34,7 @@ from detector.forest import TransportDetector
 from detector.novelty import NOVELTY_DISTANCES, EnsembleDetector
 from training.deployable import attack_family, equal_shares, with_family
 from training.experiments import Samples, Split
-from training.pipeline import PipelineRun, add_precomputed
+from training.run_context import PipelineRun, add_precomputed
 
 UNSEEN_TRAIN = "fgm-eps0.1"
 # (novelty tail, margin tail) pairs of the unseen table; the deployed table's rows below.

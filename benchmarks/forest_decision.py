@@ -33,7 +33,7 @@ from detector.base import abnormal_labels, source_groups
 from detector.forest import TransportDetector
 from detector.novelty import EnsembleDetector
 from training.deployable import misclassified
-from training.pipeline import add_precomputed
+from training.run_context import add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_combiners import part_matrix, part_names  # noqa: E402

@@ -27,7 +27,7 @@ from detector.forest import TransportDetector
 from detector.novelty import EnsembleDetector
 from training.deployable import misclassified
 from training.experiments import Samples
-from training.pipeline import add_precomputed
+from training.run_context import add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import ood_proxies, sources, training_side  # noqa: E402

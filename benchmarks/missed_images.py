@@ -30,8 +30,8 @@ from detector.margin import MARGIN_FEATURE
 from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector
 from detector.opinion import OPINION_NAMES
 from training.experiments import Samples
-from training.pipeline import add_precomputed
 from training.report import markdown_table
+from training.run_context import add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import deployed_analog, masker, open_run, run_arguments, validation_cut  # noqa: E402

@@ -30,7 +30,7 @@ from detector.features import NSS_NAMES
 from detector.nss import NSS_KEY, NSSDetector
 from detector.registry import get_detector
 from training.experiments import Samples, on_all_cores
-from training.pipeline import add_precomputed
+from training.run_context import add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402

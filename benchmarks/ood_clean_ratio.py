@@ -26,7 +26,7 @@ import numpy as np
 
 from detector.novelty import FAMILY_CLEAN_RATIO, EnsembleDetector
 from training.experiments import balanced_draw
-from training.pipeline import add_precomputed
+from training.run_context import add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import balanced_accuracies, ood_proxies, training_side  # noqa: E402

@@ -31,7 +31,7 @@ from detector.base import Detector
 from detector.forest import TransportDetector
 from detector.novelty import EnsembleDetector
 from training.experiments import Samples
-from training.pipeline import add_precomputed
+from training.run_context import add_precomputed
 from training.synthetic_outliers import SYNTHETIC_OOD, SYNTHETIC_TRANSFORMS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

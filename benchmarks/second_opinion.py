@@ -37,7 +37,7 @@ from detector.calibration import calibrate_threshold
 from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector
 from detector.opinion import OPINION_NAMES, second_opinion
 from training.experiments import Samples
-from training.pipeline import PipelineRun, add_precomputed
+from training.run_context import PipelineRun, add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402

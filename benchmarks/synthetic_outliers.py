@@ -25,7 +25,7 @@ from detector.forest import TransportDetector
 from detector.novelty import EnsembleDetector
 from training.deployable import attack_family, equal_shares, fit_with_outliers, with_family
 from training.experiments import Samples
-from training.pipeline import PipelineRun, add_precomputed
+from training.run_context import PipelineRun, add_precomputed
 from training.synthetic_outliers import SYNTHETIC_TRANSFORMS, synthetic_outliers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

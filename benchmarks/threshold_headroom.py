@@ -30,8 +30,8 @@ import numpy as np
 from detector.calibration import Calibration, calibrate_threshold
 from detector.novelty import EnsembleDetector
 from training.experiments import Samples, Split
-from training.pipeline import NetworkSamples, PipelineRun, add_precomputed
 from training.report import markdown_table
+from training.run_context import NetworkSamples, PipelineRun, add_precomputed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import deployed_analog, masker, open_run, run_arguments, validation_cut  # noqa: E402

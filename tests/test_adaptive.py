@@ -237,13 +237,12 @@ def test_report_section_shows_each_row(tmp_path) -> None:
 
 def test_rows_are_collected_from_the_run_directory(tmp_path) -> None:
     from detector.artefacts import write_json
-    from training.adaptive import collect_rows
     from training.rundir import RunDir
 
     run = RunDir(tmp_path)
     for target in ("transport", "transport-pool5"):
         write_json(run.adaptive("lap") / target / "surrogate-pgd-abc" / "row.json", {"t": target})
-    assert [r["t"] for r in collect_rows(run)] == ["transport", "transport-pool5"]
+    assert [r["t"] for r in run.adaptive_rows()] == ["transport", "transport-pool5"]
 
 
 def test_an_attacker_of_a_second_opinion_target_reads_and_differentiates_both_networks(

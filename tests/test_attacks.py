@@ -379,8 +379,8 @@ def test_apgd_returns_misclassified_images_unchanged_and_the_pipeline_drops_them
 ) -> None:
     """ART's APGD only attacks images the network still classifies correctly: an image it
     already misclassifies comes back as it is, a clean image, which
-    :func:`training.pipeline.perturbed` keeps out of the detection sets."""
-    from training.pipeline import perturbed
+    :func:`training.run_context.perturbed` keeps out of the detection sets."""
+    from training.run_context import perturbed
 
     adv = _set(tmp_path, network, images, attack, {**TINY[attack], "eps": 0.1}, n=6)
     misclassified = adv.clean_pred != adv.labels

@@ -17,7 +17,7 @@ from training.adversarial import attack_run
 from training.cli import main as cli_main
 from training.config import TrainConfig
 from training.probes import fit_linear_probe
-from training.report import dynamics_section
+from training.report import dynamics_section, refresh_report
 from training.rundir import RunDir
 from training.trainer import train
 
@@ -152,6 +152,7 @@ def test_diagnostics_are_cached_and_refreshed_when_inputs_change(
     assert set(changed["networks"]["a"]["sets"]) == {"clean"}
     assert (RunDir(tiny_run).figures / diagnose.NETWORKS_FIGURE).is_file()
     # no results.json: the run's report is the dynamics section alone
+    assert refresh_report(tiny_run) == RunDir(tiny_run).report_file
     assert "## Network dynamics" in RunDir(tiny_run).report_file.read_text()
     artefacts.write_json(path, diagnosed)  # leave the module's diagnosis in place
 

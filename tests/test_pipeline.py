@@ -13,7 +13,7 @@ from detector.guard import Guard
 from detector.metrics import auroc
 from tests.conftest import run_smoke_pipeline
 from training.cli import main as cli_main
-from training.pipeline import PipelineRun
+from training.run_context import PipelineRun
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def test_the_evaluation_gives_the_protocols_the_runs_ood_clean_ratio(
 ) -> None:
     """A run whose config asks for every clean training image in the OOD protocol evaluates
     with that rule (the protocols themselves are tested in test_experiments.py)."""
-    import training.pipeline as pipeline
+    import training.evaluate as evaluation
 
     run = tmp_path / "run"
     shutil.copytree(smoke_run, run)
@@ -87,9 +87,9 @@ def test_the_evaluation_gives_the_protocols_the_runs_ood_clean_ratio(
         asked.append(kwargs["ood_clean_ratio"])
         raise Asked
 
-    monkeypatch.setattr(pipeline, "run_protocols", stop)
+    monkeypatch.setattr(evaluation, "run_protocols", stop)
     with pytest.raises(Asked):
-        pipeline.evaluate(pipeline.PipelineRun.open(run, root=data_root, progress=False))
+        evaluation.evaluate(PipelineRun.open(run, root=data_root, progress=False))
     assert asked == [None]
 
 
@@ -100,7 +100,7 @@ def test_synthetic_training_outliers_are_made_of_validation_images_and_refused_w
     one of the test images the splits cut), once per network; a network that held back fewer
     images than the set needs stops the evaluation with a message naming the way out."""
     from detector.errors import ConfigError
-    from training.pipeline import PipelineRun, validation_images
+    from training.run_context import PipelineRun, validation_images
 
     run = tmp_path / "run"
     shutil.copytree(smoke_run, run)
@@ -148,8 +148,8 @@ def test_a_run_resumes_across_a_new_time_estimate_but_not_across_another_computa
     """A newer version's ``expected_duration`` (or another device) resumes the run directory and
     keeps its saved config; a field that changes what is computed is refused."""
     from detector.errors import ConfigError
-    from training.pipeline import init_run
     from training.presets.pipelines import get_pipeline_preset
+    from training.run_context import init_run
 
     config = get_pipeline_preset("smoke")
     run = tmp_path / "run"
@@ -164,7 +164,8 @@ def test_a_run_resumes_across_a_new_time_estimate_but_not_across_another_computa
 def test_timings_record_every_step_and_the_report_sums_them(smoke_run) -> None:
     """timings.jsonl: the machine's reference workload, then one line per step, in order; the
     report's run-time table adds up the steps before it."""
-    from training.pipeline import PipelineRun, pipeline_steps
+    from training.pipeline import pipeline_steps
+    from training.run_context import PipelineRun
     from training.timings import read_timings
 
     rows = read_timings(smoke_run)
@@ -311,7 +312,7 @@ def test_deploy_on_split_seed_0_is_the_shipped_detector_and_another_seed_another
     threshold and held-out rates exactly; another seed holds out other images (about as many:
     each image is held out by a seeded draw)."""
     from training.deployable import deploy
-    from training.pipeline import PipelineRun
+    from training.run_context import PipelineRun
 
     run_dir = tmp_path / "run"
     shutil.copytree(smoke_run, run_dir)  # deploy caches arrays in the run
@@ -595,7 +596,7 @@ def test_the_transport_forests_read_the_set_they_chose(smoke_run) -> None:
     """TR chooses its own feature set on the training side (``selection-transport.json``, fitted
     with TR itself); the protocols hand TR that set's columns, the ensemble and the bundle the
     selection detector's; the evaluation and the report say which set each detector read."""
-    from training.pipeline import PipelineRun
+    from training.run_context import PipelineRun
 
     lap = smoke_run / "features" / "lap"
     own = json.loads((lap / "selection-transport.json").read_text())

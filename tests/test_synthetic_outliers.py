@@ -84,7 +84,7 @@ def test_deployed_ensemble_learns_synthetic_outliers_of_images_it_never_saw(
     better than the smoke run's own ensemble does (AUROC); deployable.json records what it learnt."""
     from training.deployable import SPLIT_SEED, fit_deployable, load_deployable
     from training.experiments import Split
-    from training.pipeline import PipelineRun
+    from training.run_context import PipelineRun
 
     run_dir = _copy_with_synthetic(smoke_run, tmp_path / "run", 200)
     run = PipelineRun.open(run_dir, root=data_root)
@@ -124,7 +124,7 @@ def test_a_changed_count_refits_and_an_impossible_one_is_refused(
     smoke_run, data_root, tmp_path
 ) -> None:
     from training.deployable import fit_deployable
-    from training.pipeline import PipelineRun
+    from training.run_context import PipelineRun
 
     run_dir = _copy_with_synthetic(smoke_run, tmp_path / "run", 0)
     shutil.copytree(smoke_run / "detector", run_dir / "detector")

@@ -32,8 +32,8 @@ from training.adaptive_target import Target, TargetSpec, fit_target
 from training.attacks import network_config
 from training.deployable import SPLIT_SEED, equal_shares
 from training.experiments import Split, concat
-from training.pipeline import PipelineRun
-from training.rundir import ADAPTIVE_DIR, RunDir
+from training.run_context import PipelineRun
+from training.rundir import ADAPTIVE_ROW_FILE
 from training.surrogate import agreement, distill
 
 REFERENCE_IMAGES = 2000
@@ -245,7 +245,7 @@ def run_attack(
     parts = part_flags(attacker, start.x_start[rows], x_adv)
     if parts:
         row["parts"] = parts
-    artefacts.write_json(out / "row.json", row)
+    artefacts.write_json(out / ADAPTIVE_ROW_FILE, row)
     return row
 
 
@@ -281,20 +281,11 @@ def _budget(params: dict[str, Any]) -> str:
     return f"HSJ {params['hsj_max_iter']} it / {params['hsj_max_eval']} evals + L-BFGS"
 
 
-def collect_rows(run_dir: RunDir) -> list[dict[str, Any]]:
-    """Every adaptive row written under ``RUN/adaptive/`` (one ``row.json`` per attack folder),
-    in path order: the one source of results.json's ``"adaptive"`` list."""
-    root = run_dir.path / ADAPTIVE_DIR
-    return [
-        artefacts.read_json(p, what="adaptive row") for p in sorted(root.glob("*/*/*/row.json"))
-    ]
-
-
 def write_adaptive_rows(run: PipelineRun) -> list[dict[str, Any]]:
     """Refresh RUN/results.json's ``"adaptive"`` list from the rows on disk; returns it."""
     path = run.dir.results_file
     results = artefacts.read_json(path, what="results") if path.is_file() else {}
-    results["adaptive"] = collect_rows(run.dir)
+    results["adaptive"] = run.dir.adaptive_rows()
     artefacts.write_json(path, results)
     return results["adaptive"]
 

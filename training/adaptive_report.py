@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from training.plots import plot_adaptive_evasion
-from training.report import MODEL_LABELS, figure_link, markdown_table, order_models
+from training.report_tables import MODEL_LABELS, figure_link, markdown_table, order_models
 from training.rundir import RunDir
 
 HEADER = (

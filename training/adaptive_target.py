@@ -29,7 +29,7 @@ from detector.registry import get_detector, load_detector
 from training.attacks import network_config
 from training.deployable import SPLIT_SEED, deploy_parts, equal_shares
 from training.experiments import Samples, Split, on_all_cores
-from training.pipeline import PipelineRun, add_precomputed
+from training.run_context import PipelineRun, add_precomputed
 
 TARGET_FILE = "target.json"
 BOOTSTRAP_SHARE = 0.8

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save as safetensors_bytes
+from torch.utils.data import Subset
 from tqdm.auto import tqdm
 
 from detector import networks
@@ -54,6 +55,7 @@ from training.attacks import (
     make_attack_params,
     predict_labels,
 )
+from training.data import load_dataset, subset, to_arrays
 from training.rundir import ModelDir, RunDir
 
 FORMAT_VERSION = 1
@@ -780,9 +782,6 @@ def attack_images(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(images, labels, source indices): the first ``n`` of a seeded order of ``split`` of the
     data set the network was trained on (its ``train_config.json``)."""
-    from torch.utils.data import Subset
-
-    from training.data import load_dataset, subset, to_arrays
 
     config_path = ModelDir(model_dir).train_config_file
     try:

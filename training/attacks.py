@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from detector.errors import ConfigError, InputError, validation_problems
 from detector.networks import NetworkConfig, resolve_device
+from training.batched_attacks import CarliniL2, apgd, deepfool
 
 Norm = Literal["Linf", "L2", "L1"]
 _ART_NORMS: dict[str, float] = {"Linf": np.inf, "L2": 2.0, "L1": 1.0}
@@ -565,8 +566,6 @@ def _torch_run(runner: AttackRunner, attack: Callable[..., torch.Tensor]) -> Run
 
 
 def _build_cw_batched(runner: AttackRunner, p: CWBatchedParams) -> RunFn:
-    from training.batched_attacks import CarliniL2
-
     value_range = runner.config.input_spec.value_range
     return _torch_run(
         runner,
@@ -575,8 +574,6 @@ def _build_cw_batched(runner: AttackRunner, p: CWBatchedParams) -> RunFn:
 
 
 def _build_apgd_batched(runner: AttackRunner, p: APGDBatchedParams) -> RunFn:
-    from training.batched_attacks import apgd
-
     value_range = runner.config.input_spec.value_range
     eps_step = p.eps_step
     assert eps_step is not None  # resolved by the params' validator
@@ -597,8 +594,6 @@ def _build_apgd_batched(runner: AttackRunner, p: APGDBatchedParams) -> RunFn:
 
 
 def _build_deepfool_batched(runner: AttackRunner, p: DeepFoolBatchedParams) -> RunFn:
-    from training.batched_attacks import deepfool
-
     value_range = runner.config.input_spec.value_range
     nb_grads = min(p.nb_grads, runner.config.num_classes)
     return _torch_run(

@@ -259,7 +259,7 @@ def _run_adaptive(args: argparse.Namespace) -> int:
     from training.adaptive import adaptive_experiment
     from training.adaptive_target import TargetSpec
     from training.console import adaptive_attack_lines, adaptive_table
-    from training.pipeline import PipelineRun
+    from training.run_context import PipelineRun
 
     if args.list:
         return _print_lines(adaptive_attack_lines())
@@ -438,6 +438,7 @@ def _add_diagnose(sub: argparse._SubParsersAction) -> None:
 def _run_diagnose(args: argparse.Namespace) -> int:
     from training.console import diagnose_lines
     from training.diagnose import DiagnoseOptions, diagnose_run, run_diagnose_preset
+    from training.report import refresh_report
 
     if args.preset is not None:
         from training.presets.pipelines import get_diagnose_preset
@@ -450,6 +451,7 @@ def _run_diagnose(args: argparse.Namespace) -> int:
         result = run_diagnose_preset(
             config, args.run, root=args.root, progress=not args.no_progress
         )
+        refresh_report(args.run)
         return _print_lines(diagnose_lines(result))
     result = diagnose_run(
         args.run,
@@ -459,6 +461,7 @@ def _run_diagnose(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.no_progress,
     )
+    refresh_report(args.run)
     return _print_lines(diagnose_lines(result))
 
 

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from detector.artefacts import sha256_json
 from detector.errors import ConfigError
+from detector.networks import list_models
+from training.data import DATASETS
 
 
 class LapSettings(BaseModel):
@@ -69,9 +71,6 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        from detector.networks import list_models
-        from training.data import DATASETS
-
         if self.architecture not in list_models():
             raise ValueError(
                 f"unknown architecture {self.architecture!r}; registered: {', '.join(list_models())}"

@@ -8,6 +8,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from training.adaptive_attacks import get_adaptive_spec, list_adaptive_attacks
+from training.adaptive_report import HEADER, adaptive_rows
+from training.attacks import attack_defaults, get_attack_spec, list_attacks
+from training.data import DATASETS, OOD_SETS
+from training.diagnose import SUMMARY_HEADER, summary_rows
+from training.presets import TRAIN_PRESETS
+from training.presets.pipelines import PIPELINE_PRESETS
+
 ATTACK_COLUMNS = (
     "model",
     "attack",
@@ -32,8 +40,6 @@ def aligned(rows: Sequence[Sequence[str]]) -> list[str]:
 
 def dataset_lines() -> list[str]:
     """One line per known data set (shape, classes), then the OOD sets."""
-    from training.data import DATASETS, OOD_SETS
-
     lines = [
         f"{name:15s} {info.channels}x{info.height}x{info.width}  {len(info.class_names)} classes"
         for name, info in sorted(DATASETS.items())
@@ -43,8 +49,6 @@ def dataset_lines() -> list[str]:
 
 def train_preset_lines() -> list[str]:
     """One line per training preset: objective, network, data set and schedule."""
-    from training.presets import TRAIN_PRESETS
-
     return [
         f"{name:36s} {p.objective:8s} {p.architecture:14s} {p.dataset:14s} "
         f"epochs={p.epochs} batch={p.batch_size} lr={p.lr}"
@@ -54,8 +58,6 @@ def train_preset_lines() -> list[str]:
 
 def pipeline_preset_lines() -> list[str]:
     """One line per pipeline preset: networks, detectors and attacks with their sizes."""
-    from training.presets.pipelines import PIPELINE_PRESETS
-
     lines = []
     for name, preset in PIPELINE_PRESETS.items():
         attacks = ", ".join(f"{a.key}(n={a.n})" for a in preset.attacks)
@@ -69,8 +71,6 @@ def pipeline_preset_lines() -> list[str]:
 
 def attack_lines() -> list[str]:
     """Two lines per registered attack: name, kind and summary, then its default parameters."""
-    from training.attacks import attack_defaults, get_attack_spec, list_attacks
-
     lines = []
     for name in list_attacks():
         spec = get_attack_spec(name)
@@ -102,8 +102,6 @@ def attack_table(sets: Mapping[str, Any], attack: str) -> list[str]:
 
 def adaptive_attack_lines() -> list[str]:
     """Two lines per adaptive attack: name, start attack and summary, then its defaults."""
-    from training.adaptive_attacks import get_adaptive_spec, list_adaptive_attacks
-
     lines = []
     for name in list_adaptive_attacks():
         spec = get_adaptive_spec(name)
@@ -116,7 +114,6 @@ def adaptive_attack_lines() -> list[str]:
 def adaptive_table(rows: Iterable[Mapping[str, Any]]) -> list[str]:
     """The adaptive rows (``results.json`` ``"adaptive"``) as a table: the report's columns and
     rows (:func:`training.adaptive_report.adaptive_rows`), aligned for the terminal."""
-    from training.adaptive_report import HEADER, adaptive_rows
 
     lines = [HEADER, *map(tuple, adaptive_rows(list(rows)))]
     footnote = (
@@ -152,8 +149,6 @@ def pipeline_summary(name: str, run: Path, seconds: float, results: Mapping[str,
 
 def diagnose_lines(result: Mapping[str, Any]) -> list[str]:
     """`lapguard diagnose`'s table: one row per network and set, then the claims if any."""
-    from training.diagnose import SUMMARY_HEADER, summary_rows
-
     lines = aligned([SUMMARY_HEADER, *summary_rows(result)])
     for claim in result.get("claims", []):
         verdict = "holds" if claim["holds"] else "does not hold"

@@ -24,9 +24,11 @@ from detector.artefacts import read_json
 from detector.errors import ArtefactError, ConfigError, LapguardError
 from detector.guard import Guard
 from detector.preprocessing import quantize_uint8
+from service.server import serve
 from service.settings import Settings, load_settings
 from training import adversarial
 from training.background import BackgroundPipeline, BundleSwitcher, wait_ready
+from training.pipeline import run_pipeline
 from training.presets.pipelines import PipelineConfig
 from training.rundir import RunDir
 from training.steps import default_run_dir, preset_config
@@ -84,8 +86,6 @@ def write_demo_samples(
 def prepare_demo(config: PipelineConfig, run: Path, *, root: Path | None = None) -> dict[str, Path]:
     """Run (or reuse) the pipeline ``config`` in ``run``, then write its demo samples to
     ``run/demo``; return them by kind (``clean``, and ``adversarial`` when one was found)."""
-    from training.pipeline import run_pipeline
-
     run_pipeline(config, run, root=root)
     return write_demo_samples(config, run, run / "demo", root=root)
 
@@ -249,7 +249,5 @@ def _serve_while_building(
 def _serve(
     settings: Settings, options: DemoOptions, started: float, say: Callable[[str], None]
 ) -> None:
-    from service.server import serve
-
     announce_ready(options.url, started, say)
     serve(settings)

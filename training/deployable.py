@@ -30,20 +30,18 @@ from detector.guard import Guard
 from detector.novelty import EnsembleDetector
 from detector.preprocessing import quantize_uint8
 from detector.registry import get_detector, list_detectors, load_detector
-from training.experiments import Samples, Split, concat
-from training.pipeline import (
+from training.experiments import Samples, Split, concat, on_all_cores
+from training.explain_assets import explain_assets
+from training.presets.pipelines import PipelineConfig
+from training.run_context import (
     PipelineRun,
     add_precomputed,
-    on_all_cores,
     read_pipeline_config,
     validation_images,
 )
-from training.presets.pipelines import PipelineConfig
 from training.rundir import RunDir
 from training.synthetic_outliers import SYNTHETIC_TRANSFORMS, synthetic_outliers
 
-DEPLOYABLE_FILE = "deployable.json"
-HELDOUT_SCORES_FILE = "heldout_scores.npz"
 SPLIT_SEED = 0
 PNG_PREFIX = "png-"  # heldout_scores.npz: an attack's held-out images sent as 8-bit PNGs
 SYNTHETIC_FAMILY = "synthetic"  # the family name of the synthetic outliers' rows
@@ -108,14 +106,14 @@ def fit_deployable(run: PipelineRun, detector: str | None = None) -> Path:
     rates to ``RUN/detector/``. Cached per detector."""
     detector = detector or run.config.deploy_detector
     out = run.dir.detector_dir
-    saved = out / DEPLOYABLE_FILE
+    saved = run.dir.deployable_file
     n_synthetic = run.config.deploy_synthetic_outliers if detector == "ensemble" else 0
     if _fitted_as(saved, detector, n_synthetic):
         return out
     deployed = deploy(run, detector, SPLIT_SEED)
     deployed.detector.save(out)
     png = {f"{PNG_PREFIX}{k}": v for k, v in deployed.png_scores.items()}
-    artefacts.save_npz(out / HELDOUT_SCORES_FILE, **deployed.scores, **png)
+    artefacts.save_npz(run.dir.heldout_scores_file, **deployed.scores, **png)
     artefacts.write_json(
         saved,
         {
@@ -432,14 +430,14 @@ def _clean_by_prediction(flagged: np.ndarray, misclassified: np.ndarray) -> dict
 
 def load_deployable(run: str | Path) -> tuple[Detector, Calibration, dict[str, Any]]:
     """The detector written by :func:`fit_deployable`, its calibration and its description."""
-    directory = RunDir(run).detector_dir
-    if not (directory / DEPLOYABLE_FILE).is_file():
+    directory, path = RunDir(run).detector_dir, RunDir(run).deployable_file
+    if not path.is_file():
         raise ArtefactError(
             f"no fitted detector in {directory}; run `lapguard fit --run {run}` first"
         )
-    info = artefacts.read_json(directory / DEPLOYABLE_FILE, what="deployable detector")
+    info = artefacts.read_json(path, what="deployable detector")
     if not isinstance(info, dict):
-        raise ArtefactError(f"{directory / DEPLOYABLE_FILE} must hold a JSON object")
+        raise ArtefactError(f"{path} must hold a JSON object")
     return load_detector(directory), Calibration.from_dict(info.get("calibration")), info
 
 
@@ -496,8 +494,6 @@ def offered_points(info: dict[str, Any]) -> list[Calibration]:
 def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
     """The deployable bundle of a finished run (default RUN/bundle), with the clean band and the
     gallery that ``/v1/explain`` and the page show (:mod:`training.explain_assets`)."""
-    from training.explain_assets import explain_assets
-
     config = read_pipeline_config(run)
     detector, calibration, info = load_deployable(run)
     band, gallery = explain_assets(run, info)

@@ -32,14 +32,17 @@ from torch import nn
 from detector import artefacts, dynamics, networks
 from detector.errors import ArtefactError, ConfigError
 from training import adversarial
-from training.pipeline import perturbed
+from training.claims import measure_claims
+from training.plots import plot_block_curves
+from training.presets import get_train_preset
 from training.presets.pipelines import NOT_COMPUTED, DiagnoseConfig
 from training.probes import fit_probes
+from training.run_context import perturbed
 from training.rundir import RunDir
+from training.trainer import train
 
 DIAGNOSE_VERSION = 1
 CLEAN = "clean"
-DIAGNOSE_CONFIG_FILE = "diagnose_config.json"  # the `diagnose` preset's config, in its run
 
 
 @dataclass(frozen=True)
@@ -323,17 +326,10 @@ def read_diagnostics(run: RunDir) -> dict[str, Any] | None:
 
 
 def write_diagnostics(run: RunDir, result: Mapping[str, Any]) -> Path:
-    """diagnostics.json and the dynamics figures; the pipeline's report again when the run has
-    one, else a report of the dynamics alone."""
+    """diagnostics.json and the dynamics figures (the report that shows them is
+    :func:`training.report.refresh_report`'s)."""
     path = artefacts.write_json(run.diagnostics_file, result)
     dynamics_figures(result, run.figures)
-    from training.report import write_dynamics_report, write_report
-
-    if run.results_file.is_file():
-        if run.report_file.is_file():
-            write_report(run.path)
-    else:
-        write_dynamics_report(run.path)
     return path
 
 
@@ -350,8 +346,6 @@ ATTACKS_FIGURE = "dynamics_attacks.png"
 def dynamics_figures(result: Mapping[str, Any], figures: Path) -> dict[str, Path]:
     """``dynamics_networks.png`` (clean images, one line per network) and, when adversarial sets
     were measured, ``dynamics_attacks.png`` (one row per network, clean vs each set)."""
-    from training.plots import plot_block_curves
-
     nets = result.get("networks", {})
     written: dict[str, Path] = {}
     if not nets:
@@ -440,12 +434,8 @@ def run_diagnose_preset(
     """Train the preset's networks into ``RUN/models/<role>/`` (each cached and resumable, with
     the monitors of its training preset), diagnose them and measure the seeds' claims
     (training/claims.py) into diagnostics.json. Re-running a finished preset is a no-op."""
-    from training.claims import measure_claims
-    from training.presets import get_train_preset
-    from training.trainer import train
-
     run = RunDir(run_dir)
-    saved = run.path / DIAGNOSE_CONFIG_FILE
+    saved = run.diagnose_config_file
     if saved.is_file():
         previous = artefacts.read_model(saved, DiagnoseConfig, what="diagnose config")
         if previous.model_dump(exclude=NOT_COMPUTED) != config.model_dump(exclude=NOT_COMPUTED):

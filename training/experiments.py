@@ -425,7 +425,7 @@ class _Protocols:
         whole training side (as many as abnormal rows, by the seed alone), the population the
         clean test rows come from. An attack's own source images would not do: CW and APGD sets
         leave out the images the network already misclassifies
-        (:func:`training.pipeline.perturbed`), so a detector fitted on their sources never saw a
+        (:func:`training.run_context.perturbed`), so a detector fitted on their sources never saw a
         low-margin clean image, and flags the test side's. With the seed's one clean row per
         abnormal row, a detector fitted on a few hundred CW images learns clean from as few
         and flags the network's own low-margin clean images; ``ood_clean_ratio`` > 1 (None:

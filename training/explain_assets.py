@@ -13,7 +13,7 @@ import numpy as np
 from detector.explain import CleanBand, Gallery, GalleryItem, block_features, to_uint8
 from detector.features import FeatureSpec
 from training.experiments import Samples, Split
-from training.pipeline import PipelineRun, read_pipeline_config
+from training.run_context import PipelineRun, read_pipeline_config
 
 CLEAN_SAMPLES = 3
 

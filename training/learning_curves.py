@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 
 from detector.base import Detector
 from detector.registry import get_detector
-from training.experiments import Samples, Sides, evaluate_fitted, index_universe
-from training.pipeline import PipelineRun, _noisy_copies, on_all_cores
+from training.experiments import Samples, Sides, evaluate_fitted, index_universe, on_all_cores
+from training.run_context import PipelineRun, noisy_copies
 
 SIZES = (25, 50, 100, 200, 400, 800, 1600, 3200, 6400)
 CURVE_DETECTOR = "transport"
@@ -77,7 +77,7 @@ def run_learning_curves(run: PipelineRun) -> dict[str, dict[str, list[dict[str, 
     if not config.learning_curve_attacks:
         return {}
     data = run.samples(name, CURVE_DETECTOR)
-    noisy = _noisy_copies(run, name, CURVE_DETECTOR) if config.noisy_copies else None
+    noisy = noisy_copies(run, name, CURVE_DETECTOR) if config.noisy_copies else None
     universe = index_universe(data.clean, data.attacks)
     sides = [
         Sides.of(seed, config.test_fraction, universe, data.clean, noisy)

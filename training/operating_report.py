@@ -9,8 +9,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from training.deployable import is_offered
 from training.plots import plot_operating_points
-from training.report import (
+from training.report_tables import (
     OOD_PREFIX,
     figure_link,
     markdown_table,
@@ -36,8 +37,6 @@ NOTE = (
 def operating_points_section(run_dir: Path, info: Mapping[str, Any] | None) -> list[str]:
     """The table and figure (in ``run_dir``'s figures) of the deployed detector's operating
     points; [] when ``info`` (the run's deployable.json) has none."""
-    from training.deployable import is_offered
-
     points = [p for p in (info or {}).get("operating_points", []) if _usable(p)]
     if info is None or not points:
         return []

@@ -1,7 +1,6 @@
 """The evaluation report of a run: ``RUN/report.md`` and ``RUN/figures/*.png``.
 
 Reads only the run directory's files (DESIGN.md §5; paths from training/rundir.py)::
-
     pipeline_config.json                     preset name, data set, optional "not_run" attacks
     results.json                             models, attacks, detection and OOD rows, learning
                                              curves, timing
@@ -20,304 +19,65 @@ from __future__ import annotations
 
 import os
 import platform
-import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 from scipy import stats
 
 from detector import __version__, artefacts
-from detector.base import DetectorInfo
 from detector.calibration import rate_interval
-from detector.errors import ArtefactError, ConfigError
-from detector.registry import detector_info
+from detector.errors import ArtefactError
+from training.adaptive_report import adaptive_section
+from training.diagnose import (
+    ATTACKS_FIGURE,
+    CLAIMS_HEADER,
+    NETWORKS_FIGURE,
+    SUMMARY_HEADER,
+    claim_rows,
+    summary_rows,
+)
+from training.operating_report import operating_points_section
 from training.plots import (
     plot_feature_trajectories,
     plot_learning_curves,
     plot_roc_curves,
     plot_transport_histograms,
 )
+from training.report_tables import (
+    CLEAN,
+    LEARNING_CURVE_FIGURE,
+    MODEL_LABELS,
+    NOT_RUN,
+    OOD_PREFIX,
+    Record,
+    detector_label,
+    detector_legend,
+    figure_link,
+    final_transport,
+    format_cell,
+    load_features,
+    load_scores,
+    markdown_table,
+    metric_table,
+    order_detectors,
+    order_models,
+    order_sets,
+    percent,
+    read_json_or_empty,
+    read_optional_json,
+    registered_detector,
+    row_label,
+    set_label,
+    set_rank,
+)
 from training.rundir import RunDir
+from training.selection_report import feature_selection_section
 from training.synthetic_outliers import SYNTHETIC_OOD
 from training.timings import grouped_minutes, read_timings, step_seconds
-
-NOT_RUN = "not run"
-CLEAN = "clean"
-OOD_PREFIX = "ood-"
-LEARNING_CURVE_FIGURE = "learning_curve.png"
-MODEL_ORDER = ("vanilla", "rce", "lap")
-MODEL_LABELS = {"vanilla": "VAN", "lap": "LAP", "rce": "RCE"}
-DETECTOR_ORDER = ("transport", "ensemble", "novelty", "mahalanobis", "nss", "quantile")
-ATTACK_ORDER = (
-    "fgm",
-    "pgd",
-    "apgd",
-    "bim",
-    "autoattack",
-    "aa",
-    "deepfool",
-    "cw",
-    "hsj",
-    "hopskipjump",
-    "boundary",
-)
-ATTACK_LABELS = {
-    "fgm": "FGM",
-    "pgd": "PGD",
-    "apgd": "APGD",
-    "bim": "BIM",
-    "autoattack": "AA",
-    "aa": "AA",
-    "deepfool": "DF",
-    "cw": "CW",
-    "hsj": "HSJ",
-    "hopskipjump": "HSJ",
-    "boundary": "BA",
-}
-_EPS = re.compile(r"^(?P<name>.+?)-eps(?P<eps>[0-9.eE+-]+)$")
-_MSQ = re.compile(r"^msq_(\d+)$")
-_COS = re.compile(r"^cos_(\d+)$")
-
-Record = Mapping[str, Any]
-
-
-# ---- names and ordering -----------------------------------------------------------------------
-
-
-def _split_eps(key: str) -> tuple[str, float | None]:
-    """'fgm-eps0.1' -> ('fgm', 0.1); 'bim' -> ('bim', None)."""
-    match = _EPS.match(key)
-    if not match:
-        return key, None
-    try:
-        return match["name"], float(match["eps"])
-    except ValueError:
-        return key, None
-
-
-def set_label(key: str) -> str:
-    """Display name of an attack or data set: 'fgm-eps0.03' -> 'FGM ε=0.03', 'ood-digits' -> 'digits'."""
-    if key == CLEAN:
-        return key
-    if key.startswith(OOD_PREFIX):
-        return key[len(OOD_PREFIX) :]
-    name, eps = _split_eps(key)
-    label = ATTACK_LABELS.get(name, name.upper() if name.isalnum() else name)
-    return f"{label} ε={eps:g}" if eps is not None else label
-
-
-def _registered(detector: str) -> DetectorInfo | None:
-    """The registry's metadata of ``detector``; None for a detector this version does not have
-    (a results file written by another version)."""
-    try:
-        return detector_info(detector)
-    except ConfigError:
-        return None
-
-
-def detector_label(detector: str) -> str:
-    """A detector's short name in the tables ('transport' -> 'TR'), from the registry."""
-    info = _registered(detector)
-    return info.short_name if info is not None else detector.upper()
-
-
-def row_label(model: str, detector: str) -> str:
-    """Seed-style row label: ('lap', 'transport') -> 'LAP TR'."""
-    return f"{MODEL_LABELS.get(model, model.upper())} {detector_label(detector)}"
-
-
-def detector_legend(detectors: Iterable[str]) -> str:
-    """One line naming the tables' detectors: short name, registry name, what it does."""
-    parts = []
-    for name in dict.fromkeys(detectors):
-        info = _registered(name)
-        if info is not None:
-            parts.append(f"**{info.short_name}** ({name}): {info.summary}")
-    return "Detectors: " + "; ".join(parts) + "." if parts else ""
-
-
-def _rank(order: Sequence[str]) -> Callable[[str], tuple[int, str]]:
-    return lambda key: (order.index(key) if key in order else len(order), key)
-
-
-def _set_rank(key: str) -> tuple[int, int, str, float]:
-    """Clean first, then attacks in the seed's order (by ε), then OOD sets."""
-    if key == CLEAN:
-        return (0, 0, key, 0.0)
-    if key.startswith(OOD_PREFIX):
-        return (2, 0, key, 0.0)
-    name, eps = _split_eps(key)
-    index = ATTACK_ORDER.index(name) if name in ATTACK_ORDER else len(ATTACK_ORDER)
-    return (1, index, name, eps if eps is not None else 0.0)
-
-
-def order_models(keys: Iterable[str]) -> list[str]:
-    return sorted(set(keys), key=_rank(MODEL_ORDER))
-
-
-def order_detectors(keys: Iterable[str]) -> list[str]:
-    return sorted(set(keys), key=_rank(DETECTOR_ORDER))
-
-
-def order_sets(keys: Iterable[str]) -> list[str]:
-    return sorted(set(keys), key=_set_rank)
-
-
-# ---- markdown ---------------------------------------------------------------------------------
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1) -> str:
-    """A pipe table with padded, aligned columns; the first `left` columns left-aligned, the rest right."""
-    widths = [max(3, len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-
-    def line(cells: Sequence[str]) -> str:
-        padded = [
-            c.ljust(w) if i < left else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "| " + " | ".join(padded) + " |"
-
-    rule = ["-" * w if i < left else "-" * (w - 1) + ":" for i, w in enumerate(widths)]
-    return "\n".join([line(header), "| " + " | ".join(rule) + " |", *(line(r) for r in rows)])
-
-
-def _percent(value: float) -> str:
-    return f"{100 * value:.2f}"
-
-
-def format_cell(record: Record | None, metric: str) -> str:
-    """'97.14 ± 0.59' (percent) from record[metric] and record[metric + '_std']; NOT_RUN if absent."""
-    if record is None:
-        return NOT_RUN
-    value = record.get(metric)
-    if value is None or not np.isfinite(value):
-        return "n/a"
-    std = record.get(f"{metric}_std")
-    return f"{_percent(value)} ± {_percent(std)}" if std is not None else _percent(value)
-
-
-def _bold_best(
-    cells: list[list[str]], values: list[list[float | None]], higher_is_better: bool
-) -> None:
-    """Bold the best cell(s) of every column in place (only where two or more rows compete)."""
-    for col in range(len(values[0]) if values else 0):
-        column = [value for row in values if (value := row[col]) is not None]
-        if len(column) < 2:
-            continue
-        best = max(column) if higher_is_better else min(column)
-        for row, row_values in zip(cells, values, strict=True):
-            value = row_values[col]
-            if value is not None and abs(value - best) <= 1e-9:
-                row[col + 1] = f"**{row[col + 1]}**"
-
-
-def metric_table(
-    records: Iterable[Record],
-    *,
-    rows: Sequence[tuple[str, str]],
-    columns: Sequence[str],
-    column_of: Callable[[Record], str],
-    metric: str,
-    higher_is_better: bool = True,
-    labels: Sequence[str] | None = None,
-    mean_column: bool = False,
-) -> str:
-    """Seed-layout table: one row per (model, detector), one column per `column_of(record)` key
-    (headed by `labels`, default the keys' display names)."""
-    index = {(r["model"], r["detector"], column_of(r)): r for r in records}
-    header = ["Network Det", *(labels if labels is not None else [set_label(c) for c in columns])]
-    cells: list[list[str]] = []
-    values: list[list[float | None]] = []
-    for model, detector in rows:
-        found = [index.get((model, detector, c)) for c in columns]
-        row_values = [_value(r, metric) for r in found]
-        row_cells = [row_label(model, detector), *(format_cell(r, metric) for r in found)]
-        if mean_column:
-            present = [v for v in row_values if v is not None]
-            mean = float(np.mean(present)) if present else None
-            suffix = "" if len(present) == len(columns) else f" ({len(present)}/{len(columns)})"
-            row_cells.append(_percent(mean) + suffix if mean is not None else NOT_RUN)
-            row_values.append(mean)
-        cells.append(row_cells)
-        values.append(row_values)
-    if mean_column:
-        header.append("mean")
-    _bold_best(cells, values, higher_is_better)
-    return markdown_table(header, cells)
-
-
-def _value(record: Record | None, metric: str) -> float | None:
-    if record is None or record.get(metric) is None:
-        return None
-    value = float(record[metric])
-    return value if np.isfinite(value) else None
-
-
-# ---- reading the run --------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return artefacts.read_json(path) if path.is_file() else {}
-
-
-def read_optional_json(path: Path, what: str) -> Mapping[str, Any] | None:
-    """A run file a section can do without: its JSON object, or None when it is missing,
-    damaged or not an object (that section is then left out, not the whole report)."""
-    try:
-        data = artefacts.read_json(path, what=what) if path.is_file() else None
-    except ArtefactError:
-        return None
-    return data if isinstance(data, Mapping) else None
-
-
-def _final_transport(run_dir: Path, model: str) -> float | None:
-    """test_transport of the network's last training epoch, if any."""
-    epochs = RunDir(run_dir).read_metrics(model)
-    return epochs[-1].get("test_transport") if epochs else None
-
-
-def block_features(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(msq [N, M], cos [N, M]) from a features npz, by feature_names (block-major fallback)."""
-    data = artefacts.load_npz(path)
-    features = np.asarray(data["features"], dtype=np.float64)
-    names = [str(n) for n in data["feature_names"]] if "feature_names" in data else None
-    if names is None:
-        return features[:, 0::2], features[:, 1::2]
-    msq = sorted((int(m[1]), i) for i, n in enumerate(names) if (m := _MSQ.match(n)))
-    cos = sorted((int(m[1]), i) for i, n in enumerate(names) if (m := _COS.match(n)))
-    return features[:, [i for _, i in msq]], features[:, [i for _, i in cos]]
-
-
-def load_features(run_dir: Path, model: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Every set of features/<model>/, as {set: (msq, cos)} in report order."""
-    folder = RunDir(run_dir).feature_dir(model)
-    paths = {p.stem: p for p in folder.glob("*.npz")} if folder.is_dir() else {}
-    sets = {key: block_features(paths[key]) for key in order_sets(paths)}
-    return {key: (msq, cos) for key, (msq, cos) in sets.items() if len(msq) and msq.shape[1]}
-
-
-def load_scores(
-    run_dir: Path,
-) -> dict[tuple[str, str, str], dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]]:
-    """{(model, detector, setting): {(train, test): (is_abnormal, scores)}} from scores/."""
-    found: dict[tuple[str, str, str], dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]] = {}
-    for path in sorted(RunDir(run_dir).scores.glob("*/*/*/*__*.npz")):
-        setting, detector, model = (
-            path.parent.name,
-            path.parent.parent.name,
-            path.parent.parent.parent.name,
-        )
-        train, test = path.stem.split("__", 1)
-        data = artefacts.load_npz(path)
-        found.setdefault((model, detector, setting), {})[(train, test)] = (
-            data["is_abnormal"],
-            data["scores"],
-        )
-    return found
-
 
 # ---- sections ---------------------------------------------------------------------------------
 
@@ -331,7 +91,6 @@ def _machine(results: Mapping[str, Any]) -> str:
             if isinstance(machine, str)
             else ", ".join(f"{k}: {v}" for k, v in machine.items())
         )
-    import torch
 
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
@@ -368,11 +127,11 @@ def models_section(run_dir: Path, results: Mapping[str, Any], models: Sequence[s
     rows = []
     for model in models:
         info = results.get("models", {}).get(model, {})
-        accuracy, transport = info.get("test_accuracy"), _final_transport(run_dir, model)
+        accuracy, transport = info.get("test_accuracy"), final_transport(run_dir, model)
         rows.append(
             [
                 f"{MODEL_LABELS.get(model, model.upper())} ({model})",
-                _percent(accuracy) if accuracy is not None else NOT_RUN,
+                percent(accuracy) if accuracy is not None else NOT_RUN,
                 str(info.get("epochs", "")),
                 f"{info['train_seconds']:.0f}" if info.get("train_seconds") is not None else "",
                 f"{transport:.4g}" if transport is not None else "",
@@ -416,7 +175,7 @@ def attacks_section(results: Mapping[str, Any], models: Sequence[str]) -> list[s
             row += [
                 str(n),
                 str(info["unperturbed"]) if info.get("unperturbed") is not None else "n/a",
-                _percent(info["success_rate"]) if info.get("success_rate") is not None else "n/a",
+                percent(info["success_rate"]) if info.get("success_rate") is not None else "n/a",
                 f"{seconds / n:.3g}" if seconds is not None and n else "n/a",
             ]
         rows.append(row)
@@ -485,7 +244,7 @@ def seen_section(records: Sequence[Record], rows: Sequence[tuple[str, str]]) -> 
         return lines + [f"Seen-attack protocol: {NOT_RUN}.", ""]
     names = order_detectors(r["detector"] for r in records)
     clean_only = [  # clean-only detectors (the registry's), then the ensemble's clean-only parts
-        detector_label(n) for n in names if not getattr(_registered(n), "supervised", True)
+        detector_label(n) for n in names if not getattr(registered_detector(n), "supervised", True)
     ] + [f"{detector_label(n)}'s parts" for n in names if n == "ensemble"]
     learns = (
         f" The forests learn from the attack's pairs (each attacked image and its clean "
@@ -618,7 +377,7 @@ def ood_section(
         return lines + [f"OOD protocol: {NOT_RUN}.", ""]
     pairs = sorted(
         {(r["train_set"], r["test_set"]) for r in records},
-        key=lambda p: (_set_rank(p[0]), _set_rank(p[1])),
+        key=lambda p: (set_rank(p[0]), set_rank(p[1])),
     )
     columns = [f"{tr}__{te}" for tr, te in pairs]
     labels = [
@@ -727,7 +486,7 @@ def _heldout_header(column: str) -> str:
 def _heldout_cell(column: str, value: float | None) -> str:
     if value is None:
         return ""
-    return str(int(value)) if _is_count(column) else _percent(value)
+    return str(int(value)) if _is_count(column) else percent(value)
 
 
 def _with_intervals(columns: list[str]) -> list[str]:
@@ -748,15 +507,13 @@ def _interval_cell(column: str, values: Mapping[str, float]) -> str:
     if value is None or not n:
         return ""
     low, high = rate_interval(int(round(value * n)), int(n), INTERVAL_CONFIDENCE)
-    return f"{_percent(low)}–{_percent(high)}"
+    return f"{percent(low)}–{percent(high)}"
 
 
 def read_deployable(run_dir: Path) -> Mapping[str, Any] | None:
     """The run's deployable.json (the shipped detector's sections read it), or None when it is
     missing or damaged: those sections are then left out, not the whole report."""
-    from training.deployable import DEPLOYABLE_FILE
-
-    return read_optional_json(RunDir(run_dir).detector_dir / DEPLOYABLE_FILE, "deployable detector")
+    return read_optional_json(RunDir(run_dir).deployable_file, "deployable detector")
 
 
 def deployed_section(
@@ -810,8 +567,8 @@ def _calibration_note(
     achieved = calibration.get("achieved_fpr")
     trained = ", ".join(set_label(k) for k in info.get("train_attacks", [])) or "?"
     at = f"threshold {threshold:.4g}" if threshold is not None else "its threshold"
-    target_text = f"a {_percent(target)}% FPR" if target is not None else "the target FPR"
-    achieved_text = f", achieved {_percent(achieved)}%" if achieved is not None else ""
+    target_text = f"a {percent(target)}% FPR" if target is not None else "the target FPR"
+    achieved_text = f", achieved {percent(achieved)}%" if achieved is not None else ""
     confidence = calibration.get("confidence")
     if confidence is not None:
         target_text += f" with {100 * confidence:g}% confidence (Clopper-Pearson bound)"
@@ -892,10 +649,10 @@ def _calibration_fpr_note(info: Mapping[str, Any]) -> str:
     if not rates:
         return ""
     listed = ", ".join(
-        f"{_percent(rate)}% of {CALIBRATION_SOURCES.get(source, source)}"
+        f"{percent(rate)}% of {CALIBRATION_SOURCES.get(source, source)}"
         for source, rate in rates.items()
     )
-    tail = "" if held_out is None else f", and {_percent(held_out)}% of the held-out clean images"
+    tail = "" if held_out is None else f", and {percent(held_out)}% of the held-out clean images"
     return f" At that threshold it flags {listed}{tail}."
 
 
@@ -906,8 +663,8 @@ def _clean_split_note(heldout: Mapping[str, Any]) -> str:
         return ""
     return (
         f" Of the held-out clean images, the network misclassifies {heldout['n_misclassified']}: "
-        f"the detector flags {_percent(wrong)}% of those (a flag that also stops a wrong answer) "
-        f"and {_percent(right)}% of the images it classifies right."
+        f"the detector flags {percent(wrong)}% of those (a flag that also stops a wrong answer) "
+        f"and {percent(right)}% of the images it classifies right."
     )
 
 
@@ -1123,16 +880,7 @@ def dynamics_section(run_dir: Path) -> list[str]:
     run = RunDir(run_dir)
     if not run.diagnostics_file.is_file():
         return []
-    from training.diagnose import (
-        ATTACKS_FIGURE,
-        CLAIMS_HEADER,
-        NETWORKS_FIGURE,
-        SUMMARY_HEADER,
-        claim_rows,
-        summary_rows,
-    )
-
-    diagnostics = _read_json(run.diagnostics_file)
+    diagnostics = read_json_or_empty(run.diagnostics_file)
     note = (
         "Per network and image set (seeds 000, 001/002; `lapguard diagnose`): the line-shape "
         "score of each sample's track x_0 -> x_M (1 = a straight line), the optimal transport "
@@ -1165,11 +913,6 @@ def dynamics_section(run_dir: Path) -> list[str]:
 # ---- figures ----------------------------------------------------------------------------------
 
 
-def figure_link(run_dir: Path, path: Path, caption: str) -> list[str]:
-    """Markdown lines embedding figure ``path`` (relative to ``run_dir``) with its caption."""
-    return [f"![{caption}]({path.relative_to(run_dir).as_posix()})", "", f"*{caption}*", ""]
-
-
 def roc_figures(
     run_dir: Path, scores: Mapping[tuple[str, str, str], Mapping[tuple[str, str], Any]]
 ) -> list[str]:
@@ -1182,9 +925,7 @@ def roc_figures(
                 pairs = scores[(model, detector, setting)]
                 panels[MODEL_LABELS.get(model, model.upper())] = {
                     _pair_label(train, test, setting): pairs[(train, test)]
-                    for train, test in sorted(
-                        pairs, key=lambda p: (_set_rank(p[0]), _set_rank(p[1]))
-                    )
+                    for train, test in sorted(pairs, key=lambda p: (set_rank(p[0]), set_rank(p[1])))
                 }
             title = f"{detector_label(detector)} ({detector}), {setting}"
             path = plot_roc_curves(
@@ -1242,17 +983,13 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
 
 def write_report(run_dir: Path) -> Path:
     """Write RUN/report.md and RUN/figures/*.png from the run's results, features and scores; return report.md."""
-    from training.adaptive_report import adaptive_section  # it reads this module's helpers
-    from training.operating_report import operating_points_section  # likewise
-    from training.selection_report import feature_selection_section  # likewise
-
     run = RunDir(run_dir)
     run_dir, results_path = run.path, run.results_file
     if not results_path.is_file():
         raise ArtefactError(
             f"{results_path} not found: run `lapguard evaluate --run {run_dir}` first"
         )
-    results, config = _read_json(results_path), _read_json(run.config_file)
+    results, config = read_json_or_empty(results_path), read_json_or_empty(run.config_file)
     detection, ood = list(results.get("detection", [])), list(results.get("ood", []))
     for record in detection:
         record.setdefault(
@@ -1293,3 +1030,12 @@ def write_dynamics_report(run_dir: Path) -> Path:
     run = RunDir(run_dir)
     lines = [f"# lapguard network dynamics: {run.path.name}", "", *dynamics_section(run.path)]
     return artefacts.write_text(run.report_file, "\n".join(lines).rstrip() + "\n")
+
+
+def refresh_report(run_dir: Path) -> Path | None:
+    """After ``lapguard diagnose``: the pipeline's report again when the run has one, a report of
+    the dynamics alone when the run has no detection results; None when neither applies."""
+    run = RunDir(run_dir)
+    if not run.results_file.is_file():
+        return write_dynamics_report(run.path)
+    return write_report(run.path) if run.report_file.is_file() else None

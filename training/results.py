@@ -1,4 +1,4 @@
-"""results.json exactly as DESIGN.md §5, from the run directory's finished steps."""
+"""results.json (docs/architecture.md, "results.json"), from the run directory's finished steps."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import numpy as np
 import torch
 
 from detector import artefacts
-from training.adaptive import collect_rows
-from training.pipeline import PipelineRun, perturbed
+from training.run_context import PipelineRun, perturbed
 
 
 def write_results(run: PipelineRun) -> dict[str, Any]:
@@ -25,7 +24,7 @@ def write_results(run: PipelineRun) -> dict[str, Any]:
         "detection": evaluation["detection"],
         "ood": evaluation["ood"],
         "learning_curves": evaluation.get("learning_curves", {}),
-        "adaptive": collect_rows(run.dir),
+        "adaptive": run.dir.adaptive_rows(),
         "timing": _timing(timing, timing.get(run.config.deploy_model, {})),
         "machine": _machine(),
     }

@@ -54,6 +54,10 @@ FIGURES_DIR = "figures"
 DETECTOR_DIR = "detector"
 BUNDLE_DIR = "bundle"
 ADAPTIVE_DIR = "adaptive"
+ADAPTIVE_ROW_FILE = "row.json"  # one per attack folder: adaptive/<model>/<target>/<attack>/
+DEPLOYABLE_FILE = "deployable.json"  # in detector/: the deployable detector's summary
+HELDOUT_SCORES_FILE = "heldout_scores.npz"  # in detector/: its held-out scores
+DIAGNOSE_CONFIG_FILE = "diagnose_config.json"  # the `diagnose` preset's config, in its run
 
 TRAIN_CONFIG_FILE = "train_config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -179,6 +183,27 @@ class RunDir:
     @property
     def detector_dir(self) -> Path:
         return self.path / DETECTOR_DIR
+
+    @property
+    def deployable_file(self) -> Path:
+        return self.detector_dir / DEPLOYABLE_FILE
+
+    @property
+    def heldout_scores_file(self) -> Path:
+        return self.detector_dir / HELDOUT_SCORES_FILE
+
+    @property
+    def diagnose_config_file(self) -> Path:
+        return self.path / DIAGNOSE_CONFIG_FILE
+
+    def adaptive_rows(self) -> list[dict[str, Any]]:
+        """Every adaptive row written under ``adaptive/`` (one row.json per attack folder), in
+        path order: the one source of results.json's ``"adaptive"`` list."""
+        root = self.path / ADAPTIVE_DIR
+        return [
+            artefacts.read_json(p, what="adaptive row")
+            for p in sorted(root.glob(f"*/*/*/{ADAPTIVE_ROW_FILE}"))
+        ]
 
     @property
     def bundle(self) -> Path:

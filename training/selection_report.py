@@ -7,7 +7,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from training.report import MODEL_LABELS, markdown_table, order_sets, read_optional_json, set_label
+from training.report_tables import (
+    MODEL_LABELS,
+    markdown_table,
+    order_sets,
+    read_optional_json,
+    set_label,
+)
 from training.rundir import RunDir
 
 WHAT = "feature selection"

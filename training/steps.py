@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from detector.artefacts import read_json
+from training.deployable import fit_deployable
+from training.evaluate import evaluate
+from training.pipeline import run_pipeline
 from training.presets.pipelines import PipelineConfig, get_pipeline_preset
+from training.report import write_report
+from training.results import write_results
+from training.run_context import PipelineRun
+from training.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -37,8 +44,6 @@ def run_preset(
     config: PipelineConfig, run: Path | None, *, root: Path | None = None, progress: bool = True
 ) -> PipelineOutcome:
     """Every step of the pipeline ``config`` in ``run`` (default ``runs/<name>``), resumed."""
-    from training.pipeline import run_pipeline
-
     run = run or default_run_dir(config)
     started = time.perf_counter()
     results = run_pipeline(config, run, root=root, progress=progress)
@@ -50,25 +55,17 @@ def fit_run(
 ) -> dict[str, Any]:
     """Fit the deployable ``detector`` (default: the config's ``deploy_detector``) of ``run``;
     return its threshold calibration."""
-    from training.deployable import DEPLOYABLE_FILE, fit_deployable
-    from training.pipeline import PipelineRun
-
-    out = fit_deployable(PipelineRun.open(run, root=root, progress=progress), detector)
-    return dict(read_json(out / DEPLOYABLE_FILE, what="deployable detector")["calibration"])
+    fit_deployable(PipelineRun.open(run, root=root, progress=progress), detector)
+    info = read_json(RunDir(run).deployable_file, what="deployable detector")
+    return dict(info["calibration"])
 
 
 def evaluate_run(run: Path, *, root: Path | None = None, progress: bool = True) -> dict[str, Any]:
     """The seen/unseen/OOD protocols of ``run`` (cached in its ``evaluation.json``)."""
-    from training.pipeline import PipelineRun, evaluate
-
     return evaluate(PipelineRun.open(run, root=root, progress=progress))
 
 
 def report_run(run: Path, *, root: Path | None = None, progress: bool = True) -> Path:
     """Write ``results.json``, ``report.md`` and the figures of ``run``; return report.md."""
-    from training.pipeline import PipelineRun
-    from training.report import write_report
-    from training.results import write_results
-
     write_results(PipelineRun.open(run, root=root, progress=progress))
     return write_report(run)

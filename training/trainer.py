@@ -41,6 +41,7 @@ from training.config import TrainConfig
 from training.data import class_names, dataset_info, load_dataset, subset, train_val_split
 from training.initialization import init_weights
 from training.losses import UzawaMultiplier, compute_loss, transport_cost
+from training.monitors import DynamicsMonitor
 from training.plots import plot_training_curve
 from training.rundir import CHECKPOINT_STATE, ModelDir
 
@@ -430,7 +431,6 @@ def _monitor(
     """The config's dynamics monitor, started on ``model`` (None without monitors)."""
     if config.monitors is None:
         return None
-    from training.monitors import DynamicsMonitor
 
     train_loader, val_loader, test_loader = loaders
     held_out = val_loader.dataset if len(val_loader.dataset) else test_loader.dataset  # type: ignore[arg-type]
