@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from detector.calibration import Calibration, calibrate_threshold
+from detector.ensemble import PENULTIMATE_TAIL, EnsembleDetector, tail_ramp
 from detector.errors import DataNotFoundError
 from detector.mahalanobis import MahalanobisDetector
 from detector.nearest import clean_cdf, nearest_distance
 from detector.networks import InputSpec
-from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector, tail_ramp
 from training.experiments import Samples
 from training.outside_sets import outside_set
 from training.report import markdown_table

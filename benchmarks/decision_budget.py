@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from detector.calibration import calibrate_threshold
-from detector.novelty import EnsembleDetector, tail_ramp
+from detector.ensemble import EnsembleDetector, tail_ramp
 from training.experiments import Samples, balanced_draw
 from training.run_context import add_precomputed
 
@@ -56,7 +56,7 @@ Parts = dict[str, np.ndarray]
 
 
 def ramp(u: np.ndarray, tail: float) -> np.ndarray:
-    """The ensemble's tail ramp (:func:`detector.novelty.tail_ramp`) of a numpy array."""
+    """The ensemble's tail ramp (:func:`detector.ensemble.tail_ramp`) of a numpy array."""
     return tail_ramp(torch.from_numpy(u), tail).numpy().astype(np.float64)
 
 

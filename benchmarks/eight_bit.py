@@ -42,9 +42,9 @@ import torch
 from sklearn.ensemble import HistGradientBoostingClassifier
 
 from detector.calibration import Calibration, calibrate_threshold
+from detector.ensemble import PENULTIMATE_TAIL, EnsembleDetector
 from detector.forest import TransportDetector
 from detector.guard import Guard
-from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector
 from detector.preprocessing import quantize_uint8
 from training.deployable import (
     attack_family,

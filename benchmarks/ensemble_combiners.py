@@ -24,8 +24,8 @@ import torch
 from sklearn.linear_model import LogisticRegression
 
 from detector.calibration import calibrate_threshold
+from detector.ensemble import EnsembleDetector
 from detector.margin import MARGIN_FEATURE
-from detector.novelty import EnsembleDetector
 from training.experiments import Samples
 from training.report import markdown_table
 from training.run_context import add_precomputed

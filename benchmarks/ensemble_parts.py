@@ -30,8 +30,9 @@ import numpy as np
 
 from detector.base import Detector
 from detector.calibration import Calibration
+from detector.ensemble import EnsembleDetector
 from detector.forest import TransportDetector
-from detector.novelty import NOVELTY_DISTANCES, EnsembleDetector
+from detector.novelty import NOVELTY_DISTANCES
 from training.deployable import attack_family, equal_shares, with_family
 from training.experiments import Samples, Split
 from training.run_context import PipelineRun, add_precomputed

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from detector.base import abnormal_labels, source_groups
+from detector.ensemble import EnsembleDetector
 from detector.forest import TransportDetector
-from detector.novelty import EnsembleDetector
 from training.deployable import misclassified
 from training.run_context import add_precomputed
 

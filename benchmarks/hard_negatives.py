@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from detector.ensemble import EnsembleDetector
 from detector.forest import TransportDetector
-from detector.novelty import EnsembleDetector
 from training.deployable import misclassified
 from training.experiments import Samples
 from training.run_context import add_precomputed

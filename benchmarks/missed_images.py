@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from detector.calibration import calibrate_threshold
+from detector.ensemble import PENULTIMATE_TAIL, EnsembleDetector
 from detector.errors import ConfigError
 from detector.margin import MARGIN_FEATURE
-from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector
 from detector.opinion import OPINION_NAMES
 from training.experiments import Samples
 from training.report import markdown_table

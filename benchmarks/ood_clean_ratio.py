@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from detector.novelty import FAMILY_CLEAN_RATIO, EnsembleDetector
+from detector.ensemble import FAMILY_CLEAN_RATIO, EnsembleDetector
 from training.experiments import balanced_draw
 from training.run_context import add_precomputed
 

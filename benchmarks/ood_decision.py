@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from sklearn.datasets import load_sample_images
 
 from detector.base import Detector
+from detector.ensemble import EnsembleDetector
 from detector.forest import TransportDetector
-from detector.novelty import EnsembleDetector
 from training.experiments import Samples
 from training.run_context import add_precomputed
 from training.synthetic_outliers import SYNTHETIC_OOD, SYNTHETIC_TRANSFORMS

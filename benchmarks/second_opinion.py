@@ -34,7 +34,7 @@ import torch
 
 from detector import networks
 from detector.calibration import calibrate_threshold
-from detector.novelty import PENULTIMATE_TAIL, EnsembleDetector
+from detector.ensemble import PENULTIMATE_TAIL, EnsembleDetector
 from detector.opinion import OPINION_NAMES, second_opinion
 from training.experiments import Samples
 from training.run_context import PipelineRun, add_precomputed

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from detector.ensemble import EnsembleDetector
 from detector.forest import TransportDetector
-from detector.novelty import EnsembleDetector
 from training.deployable import attack_family, equal_shares, fit_with_outliers, with_family
 from training.experiments import Samples
 from training.run_context import PipelineRun, add_precomputed

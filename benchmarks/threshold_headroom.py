@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from detector.calibration import Calibration, calibrate_threshold
-from detector.novelty import EnsembleDetector
+from detector.ensemble import EnsembleDetector
 from training.experiments import Samples, Split
 from training.report import markdown_table
 from training.run_context import NetworkSamples, PipelineRun, add_precomputed

@@ -1,5 +1,6 @@
-"""The deployable bundle (DESIGN.md §6): manifest.json + model.safetensors + detector.safetensors
-(+ second.safetensors when the features hold a second network's opinion, + explain.safetensors).
+"""The deployable bundle (docs/architecture.md, "Bundle"): manifest.json + model.safetensors +
+detector.safetensors (+ second.safetensors when the features hold a second network's opinion, +
+explain.safetensors).
 
 The manifest (pydantic, no unknown keys) says what the network is, how inputs look, which
 detector with which parameters, the calibrated threshold, headline metrics and the sha256 of

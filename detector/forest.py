@@ -5,15 +5,12 @@
 class forest's and the general forest's, so HIGHER = MORE ABNORMAL and the forests' default vote
 flags an input when either forest's fraction exceeds 0.5.
 
-Why the OR, measured: on the training side (``benchmarks/forest_combination.py``) the general
-forest alone is the better seen-attack detector at 0.5 (mean 99.23 vs 98.60 on q22's features:
-the OR adds the class forests' false positives), and a whole quick run without class forests
-(q23) won every seen row by 0.2-0.6 points. But an attacker who knows the detector evades it more
-often (surrogate orthogonal PGD 10.8% -> 13.2% of 770 images) and, trained on one attack, it
-carries over less (unseen mean 72.2 -> 68.5). Seed 003 §H expects the OR to resist adaptive
-attacks better; it does, so it stays the default. (Feature matching measured 1.2% -> 5.9% of 170
-then, but that attack's L-BFGS stalled on these features; guided by the penultimate embedding it
-evades the OR 18.3% of q26's first 60: benchmarks/RESULTS.md, session 36.)
+Why the OR: the general forest alone detects seen attacks slightly better (the OR adds the
+class forests' false positives), but alone it is evaded more often by an attacker who knows the
+detector and, trained on one attack, carries over less to unseen ones. Seed 003 §H expects the OR
+to resist adaptive attacks better; it does, so it is the default (a feature-matching attack
+guided by the penultimate embedding still evades it on some images; docs/decisions.md, "Forest
+combination").
 
 ``TensorForest`` holds fitted trees as flat node arrays and walks a whole batch through every
 tree at once with gathers (one step per tree level), on CPU or GPU. Detectors travel as plain
@@ -33,20 +30,18 @@ from detector.base import (
     DEFAULT_VOTE_THRESHOLD,
     Detector,
     DetectorInfo,
-    ForestDecision,
     SampleSet,
     abnormal_labels,
     check_binary_labels,
     check_class_labels,
     check_fitted,
     check_groups,
-    held_out_votes,
     source_groups,
-    vote_fraction,
 )
 from detector.errors import ArtefactError, InputError
 from detector.features import check_features
 from detector.registry import register_detector
+from detector.voting import ForestDecision, held_out_votes, vote_fraction
 
 _COMPACT_EVERY = 8
 
@@ -241,9 +236,9 @@ class TransportDetector(ForestDecision, Detector):
 
     ``decision``, its own decision (``predict``, :meth:`decision_threshold`): ``"oob"``
     (default), the score's best balanced accuracy on the out-of-bag votes, or ``"majority"``,
-    0.5 (see :class:`~detector.base.ForestDecision`). The OR of two forests adds their false
-    positives at 0.5; the out-of-bag point weighs them against the misses (benchmarks/RESULTS.md,
-    "the forests' own decision").
+    0.5 (see :class:`~detector.voting.ForestDecision`). The OR of two forests adds their false
+    positives at 0.5; the out-of-bag point weighs them against the misses (docs/decisions.md,
+    "Forest decision").
     """
 
     info = DetectorInfo(
@@ -331,7 +326,7 @@ class TransportDetector(ForestDecision, Detector):
         """:meth:`score` of any rows by the trees that never saw their group (``groups``: each
         row's source image, as ``fit`` was given them; row positions when it was given none):
         the fitting rows' grouped out-of-bag scores, every tree's votes for a row whose group
-        the forests were not fitted on (:func:`~detector.base.held_out_votes`); NaN where both
+        the forests were not fitted on (:func:`~detector.voting.held_out_votes`); NaN where both
         forests lack such trees. Also, per row, the fewer trees that voted of the two forests
         (0 where one has none). Needs the detector as fitted, not loaded from arrays."""
         check_fitted(self)

@@ -30,21 +30,19 @@ from torch import nn
 from detector.base import (
     Detector,
     DetectorInfo,
-    ForestDecision,
     SampleSet,
     abnormal_labels,
     check_binary_labels,
     check_class_labels,
     check_fitted,
-    oob_vote_fraction,
     source_groups,
-    vote_fraction,
 )
 from detector.errors import ConfigError, InputError
 from detector.features import check_features, check_images, model_device
 from detector.metrics import auroc
 from detector.registry import register_detector
 from detector.taps import Tap, Taps, default_tap_names
+from detector.voting import ForestDecision, oob_vote_fraction, vote_fraction
 
 MAGNITUDES = (0.0, 0.0005, 0.001, 0.0014, 0.002, 0.005, 0.01)
 

@@ -16,18 +16,16 @@ from torch import nn
 from detector.base import (
     Detector,
     DetectorInfo,
-    ForestDecision,
     SampleSet,
     abnormal_labels,
     check_binary_labels,
     check_fitted,
-    oob_vote_fraction,
     source_groups,
-    vote_fraction,
 )
 from detector.features import check_features, check_images
 from detector.registry import register_detector
 from detector.scene_statistics import scene_statistics
+from detector.voting import ForestDecision, oob_vote_fraction, vote_fraction
 
 NSS_KEY = "nss"  # the precomputed features' key in ``samples.extra``
 

@@ -6,16 +6,13 @@ The embedding is the input of the network's last linear layer scaled to unit len
 keeps the clean fitting rows and the sorted distances of each to its nearest OTHER one; its score
 is the share of those that are smaller than an input's distance to its nearest clean row -- the
 empirical CDF, about uniform on clean inputs, 1 beyond every clean sample: HIGHER = MORE
-ABNORMAL. The ensemble (:class:`detector.novelty.EnsembleDetector`) ramps it over its far tail.
+ABNORMAL. The ensemble (:class:`detector.ensemble.EnsembleDetector`) ramps it over its far tail.
 
-Why, measured on the training side only (q25's LAP network, validation quarter; the probe sets
-that are not stand-ins were looked at after the choice): the trajectory features see how an image
-travels, not what the classifier makes of it, and rotated or upside-down clothes travel much like
-clothes. Alone, at 1.25% clean FPR, this part flags 32% of the clothes rotated by 90 degrees
-(the whitened nearest distance on the pixels' 10-60 principal components: 19-26%, their
-reconstruction error 10-15%). In the deployed analog (``benchmarks/ensemble_parts.py``), at the
-same calibrated FPR target, the ensemble with it flags 39.1% instead of 30.1% of them, and every
-attack within 0.1 point of what it flagged without.
+Why: the trajectory features see how an image travels, not what the classifier makes of it, and
+rotated or upside-down clothes travel much like clothes. Measured on the training side only,
+this part alone flags more of the rotated clothes than a nearest distance on the pixels'
+principal components, and the ensemble with it flags more of them at the same calibrated FPR
+target, every attack about as often (docs/decisions.md, "Penultimate part").
 """
 
 from __future__ import annotations

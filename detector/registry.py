@@ -25,6 +25,7 @@ BUILTIN_MODULES = (
     "detector.nss",
     "detector.quantile",
     "detector.novelty",
+    "detector.ensemble",
 )
 
 D = TypeVar("D", bound=type[Detector])

@@ -1,8 +1,8 @@
 """Service errors and the ONE place where errors become HTTP responses.
 
-Every error answer has the body ``{"error": {"code": "...", "message": "..."}}`` (DESIGN.md §7):
-lapguard's own errors by class, FastAPI's validation errors (422), Starlette's HTTP errors (404,
-405, ...) and anything unexpected (500, without internals).
+Every error answer has the body ``{"error": {"code": "...", "message": "..."}}``
+(docs/architecture.md, "Errors"): lapguard's own errors by class, FastAPI's validation errors
+(422), Starlette's HTTP errors (404, 405, ...) and anything unexpected (500, without internals).
 
 Under ``/v2`` the Open Inference Protocol's shape wins, ``{"error": "message", "code": "..."}``:
 stock KServe/Triton clients read ``error`` as the message text (a nested object made

@@ -1,5 +1,5 @@
-"""Request and response bodies: lapguard's v1 API (DESIGN.md §7) and the Open Inference Protocol
-(KServe v2) REST messages."""
+"""Request and response bodies: lapguard's v1 API (docs/architecture.md, "HTTP API") and the
+Open Inference Protocol (KServe v2) REST messages."""
 
 from __future__ import annotations
 

@@ -8,16 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from detector.base import oob_vote_fraction, source_groups
+from detector.base import source_groups
+from detector.ensemble import EnsembleDetector
 from detector.errors import ArtefactError, InputError, NotFittedError
 from detector.features import extract_features
 from detector.forest import TensorForest, TransportDetector, forest_arrays
 from detector.mahalanobis import MahalanobisDetector, mahalanobis_features
 from detector.metrics import auroc, balanced_threshold
 from detector.networks import get_model
-from detector.novelty import EnsembleDetector
 from detector.nss import NSSDetector, nss_features
 from detector.quantile import QuantileDetector
+from detector.voting import oob_vote_fraction
 
 WIDTH_ERROR = "fitted on 6 features, got 8: this detector belongs to another network"
 
@@ -92,7 +93,7 @@ def test_grouped_oob_votes_leave_a_rows_twin_out_of_the_bag_too() -> None:
 def test_held_out_votes_count_only_trees_that_never_drew_a_rows_group() -> None:
     from sklearn.ensemble import RandomForestClassifier
 
-    from detector.base import held_out_votes, vote_fraction
+    from detector.voting import held_out_votes, vote_fraction
 
     x, y, _ = _separated(100, 5, shift=0.8)
     groups = np.r_[np.arange(100), np.arange(100)]  # each abnormal row is a clean row's twin
@@ -398,7 +399,7 @@ def test_vote_fraction_is_the_mean_of_each_trees_predict() -> None:
     float32, a forest of one class too; a wrong width is refused (apply would not check it)."""
     from sklearn.ensemble import RandomForestClassifier
 
-    from detector.base import vote_fraction
+    from detector.voting import vote_fraction
 
     x, y, _ = _separated(300, 0, shift=0.8)  # overlapping: many split votes
     forest = RandomForestClassifier(40, random_state=0, min_samples_leaf=2).fit(x, y)

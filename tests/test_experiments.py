@@ -7,10 +7,11 @@ import pytest
 from pydantic import ValidationError
 
 from detector.calibration import calibrate_threshold
+from detector.ensemble import EnsembleDetector
 from detector.errors import InputError
 from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
-from detector.novelty import EnsembleDetector, NoveltyDetector
+from detector.novelty import NoveltyDetector
 from detector.quantile import QuantileDetector
 from training.experiments import (
     Samples,
@@ -181,7 +182,7 @@ def test_a_set_kept_for_training_is_learnt_whole_and_never_tested_on(world) -> N
 def test_the_ensemble_reuses_the_transport_forests_and_scores_as_if_fitted_alone(
     world, monkeypatch
 ) -> None:
-    from detector.novelty import EnsembleDetector
+    from detector.ensemble import EnsembleDetector
 
     clean, attacks, ood = world
     fits = _count_fits(monkeypatch, TransportDetector)

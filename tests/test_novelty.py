@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from detector.ensemble import EnsembleDetector
 from detector.errors import ArtefactError, InputError
-from detector.novelty import EnsembleDetector, NoveltyDetector
+from detector.novelty import NoveltyDetector
 
 
 def _clean(n: int = 600, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

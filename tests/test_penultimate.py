@@ -13,10 +13,10 @@ import torch
 from detector import networks
 from detector.bundle import load_bundle, write_bundle
 from detector.calibration import Calibration
+from detector.ensemble import EnsembleDetector
 from detector.errors import ArtefactError, ConfigError, InputError
 from detector.features import FeatureSpec, extract_features, penultimate_width
 from detector.guard import Guard
-from detector.novelty import EnsembleDetector
 from detector.penultimate import (
     PENULTIMATE_KEY,
     EmbeddingScorer,

@@ -23,11 +23,11 @@ from detector import artefacts
 from detector.base import Detector
 from detector.bundle import write_bundle
 from detector.calibration import Calibration, CalibrationWarning
+from detector.ensemble import EnsembleDetector
 from detector.errors import ArtefactError, ConfigError
 from detector.features import FeatureSpec
 from detector.forest import TransportDetector
 from detector.guard import Guard
-from detector.novelty import EnsembleDetector
 from detector.preprocessing import quantize_uint8
 from detector.registry import get_detector, list_detectors, load_detector
 from training.experiments import Samples, Split, concat, on_all_cores

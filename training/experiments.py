@@ -26,10 +26,10 @@ from tqdm.auto import tqdm
 from detector.artefacts import save_npz
 from detector.base import Detector
 from detector.calibration import calibrate_threshold
+from detector.ensemble import EnsembleDetector
 from detector.errors import InputError
 from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
-from detector.novelty import EnsembleDetector
 
 # The calibration slice: a quarter of the training side (2,000 clean images of Fashion-MNIST's
 # 10,000 test images at test_fraction 0.2). The bundle's threshold keeps the FPR's one-sided

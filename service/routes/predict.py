@@ -1,5 +1,5 @@
 """``POST /v1/predict``: encoded images in (multipart ``files`` or JSON base64), prediction and
-abnormality flag out, in one synchronous response (DESIGN.md §7)."""
+abnormality flag out, in one synchronous response (docs/architecture.md, "HTTP API")."""
 
 from __future__ import annotations
 
