@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from training.adversarial import attack_images, get_or_generate
+from training.attacks.sets import attack_images, get_or_generate
 from training.rundir import RunDir
 
 # (label, attack, parameter overrides, images). The seed's settings except where stated; the

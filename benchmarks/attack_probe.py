@@ -37,11 +37,11 @@ from art.attacks.evasion import (
 
 from detector import artefacts
 from detector.bundle import read_manifest
-from training.attacks import art_classifier
-from training.deployable import SPLIT_SEED
-from training.experiments import Split
-from training.report import markdown_table
-from training.run_context import PipelineRun
+from training.attacks.registry import art_classifier
+from training.evaluation.context import PipelineRun
+from training.evaluation.deployable import SPLIT_SEED
+from training.evaluation.protocols import Split
+from training.reporting.report import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ood_probe import served_rows  # noqa: E402

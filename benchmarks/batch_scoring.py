@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from detector.guard import Guard
-from training.cli import main as cli_main
-from training.data import default_root, load_dataset
+from training.cli.main import main as cli_main
+from training.data.datasets import default_root, load_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from local_server import ROOT, start_server, stop_server  # noqa: E402

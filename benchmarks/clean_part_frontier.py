@@ -18,7 +18,7 @@ Each variant's threshold is calibrated on the calibration slice (the config's FP
 confidence). Last row: the shipped parts with one threshold per predicted class (Mondrian), each
 at the global threshold's FPR on that class's calibration images. Cells: the share of each
 attack's successful validation images flagged, and of the three training-side OOD stand-ins;
-the run's OOD sets and the outside sets (``training.outside_sets``; ``mnist`` only when ``make
+the run's OOD sets and the outside sets (``training.data.outside_sets``; ``mnist`` only when ``make
 probe-data`` has unpacked it) are printed for information only: never choose on them.
 (``clean_parts_screen.py`` screens other clean-only candidates alone, outside the ensemble.)
 
@@ -39,10 +39,10 @@ from detector.errors import DataNotFoundError
 from detector.mahalanobis import MahalanobisDetector
 from detector.nearest import clean_cdf, nearest_distance
 from detector.networks import InputSpec
-from training.experiments import Samples
-from training.outside_sets import outside_set
-from training.report import markdown_table
-from training.run_context import PipelineRun, add_precomputed
+from training.data.outside_sets import outside_set
+from training.evaluation.context import PipelineRun, add_precomputed
+from training.evaluation.protocols import Samples
+from training.reporting.report import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_combiners import part_matrix, part_names  # noqa: E402

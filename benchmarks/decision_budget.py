@@ -40,8 +40,8 @@ import torch
 
 from detector.calibration import calibrate_threshold
 from detector.ensemble import EnsembleDetector, tail_ramp
-from training.experiments import Samples, balanced_draw
-from training.run_context import add_precomputed
+from training.evaluation.context import add_precomputed
+from training.evaluation.protocols import Samples, balanced_draw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import ood_proxies, training_side, validation_cut  # noqa: E402

@@ -21,10 +21,10 @@ import numpy as np
 
 from detector.calibration import Calibration
 from detector.guard import Guard
-from training.deployable import SPLIT_SEED, load_deployable
-from training.experiments import Split
-from training.report import markdown_table
-from training.run_context import PipelineRun
+from training.evaluation.context import PipelineRun
+from training.evaluation.deployable import SPLIT_SEED, load_deployable
+from training.evaluation.protocols import Split
+from training.reporting.report import markdown_table
 
 WITHOUT = {
     "every part (shipped)": (),

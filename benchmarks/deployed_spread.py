@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/deployed_spread.py runs/quick --seeds 0 1 2 3 4
 
-The deployed recipe (``training.deployable.deploy``: the same detector, attacks, synthetic
+The deployed recipe (``training.evaluation.deployable.deploy``: the same detector, attacks, synthetic
 outliers, features, FPR target and confidence) is fitted, calibrated and measured once per split
 seed on the same run's cached features; the bundle is seed 0. One row per seed (threshold,
 held-out clean FPR, each attack's successful held-out images flagged, each OOD set flagged), then
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from detector import artefacts
-from training.deployable import deploy
-from training.report import markdown_table
-from training.run_context import PipelineRun
+from training.evaluation.context import PipelineRun
+from training.evaluation.deployable import deploy
+from training.reporting.report import markdown_table
 
 
 def measure(run: PipelineRun, detector: str, seed: int) -> dict[str, Any]:

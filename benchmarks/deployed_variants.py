@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/deployed_variants.py runs/quick --variants shipped no-validation
         no-validation+half-shares no-validation+minimal-family [--seeds 0 1 2 3 4]
 
-Each variant is the deployed recipe (``training.deployable.deploy``) with some of its steps
+Each variant is the deployed recipe (``training.evaluation.deployable.deploy``) with some of its steps
 replaced for the measurement only; ``a+b`` applies both:
 
 * ``shipped``: unchanged (``deployed_spread.py``'s rows);
@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-import training.deployable as deployable
+import training.evaluation.deployable as deployable
 from detector import artefacts
-from training.data import to_arrays
-from training.experiments import Samples, concat
-from training.run_context import PipelineRun, add_precomputed, validation_set
+from training.data.datasets import to_arrays
+from training.evaluation.context import PipelineRun, add_precomputed, validation_set
+from training.evaluation.protocols import Samples, concat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from deployed_spread import measure, spread_table  # noqa: E402
@@ -49,7 +49,7 @@ RECIPE = "calibrated on the slice, the network's validation images and the fitti
 
 
 def validation_clean(run: PipelineRun, name: str) -> Samples:
-    """Network ``name``'s validation images (``training.run_context.validation_set``, in a seeded
+    """Network ``name``'s validation images (``training.evaluation.context.validation_set``, in a seeded
     order) with their features, for the fitting variant."""
     held_back = validation_set(run, name)
     images, _ = to_arrays(held_back, len(held_back), seed=0)  # type: ignore[arg-type]
@@ -102,7 +102,7 @@ def _validation_fit(run: PipelineRun) -> dict[str, Callable[..., Any]]:
 
 
 def variant_steps(run: PipelineRun, variant: str) -> dict[str, Callable[..., Any]]:
-    """The ``training.deployable`` functions variant ``variant`` (``a+b``: both) replaces."""
+    """The ``training.evaluation.deployable`` functions variant ``variant`` (``a+b``: both) replaces."""
     minimal = {"cw-batched": "minimal", "deepfool-batched": "minimal", "cw": "minimal"}
     linf = {"fgm": "linf", "bim": "linf", "apgd": "linf", "apgd-batched": "linf"}
     variants: dict[str, Callable[[], dict[str, Callable[..., Any]]]] = {
@@ -125,7 +125,7 @@ def variant_steps(run: PipelineRun, variant: str) -> dict[str, Callable[..., Any
 
 @contextmanager
 def replaced(steps: dict[str, Callable[..., Any]]) -> Iterator[None]:
-    """``training.deployable``'s functions ``steps`` replaced while the block runs."""
+    """``training.evaluation.deployable``'s functions ``steps`` replaced while the block runs."""
     saved = {name: getattr(deployable, name) for name in steps}
     try:
         for name, step in steps.items():

@@ -46,16 +46,16 @@ from detector.ensemble import PENULTIMATE_TAIL, EnsembleDetector
 from detector.forest import TransportDetector
 from detector.guard import Guard
 from detector.preprocessing import quantize_uint8
-from training.deployable import (
+from training.evaluation.context import PipelineRun, add_precomputed
+from training.evaluation.deployable import (
     attack_family,
     equal_shares,
     sent_as_png,
     true_labels,
     with_family,
 )
-from training.experiments import Samples, Split
-from training.report import markdown_table
-from training.run_context import PipelineRun, add_precomputed
+from training.evaluation.protocols import Samples, Split
+from training.reporting.report import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402
@@ -97,7 +97,7 @@ def successful(samples: Samples) -> Samples:
 
 def still_perturbed(samples: Samples, clean: Samples, value_range: tuple[float, float]) -> Samples:
     """The 8-bit rows that still differ from their clean source sent as 8-bit (the float sets'
-    rule, :func:`training.run_context.perturbed`, after rounding)."""
+    rule, :func:`training.evaluation.context.perturbed`, after rounding)."""
     row_of = {int(i): r for r, i in enumerate(clean.indices)}
     sources = clean.images[[row_of[int(i)] for i in samples.indices]]
     sources = quantize_uint8(sources, value_range)
@@ -107,7 +107,7 @@ def still_perturbed(samples: Samples, clean: Samples, value_range: tuple[float, 
 
 def shipped_table(run: PipelineRun, name: str) -> list[list[str]]:
     """Per held-out attack set: n successful and the flagged share, float32 then 8-bit
-    (:func:`training.deployable.sent_as_png`, what the manifest records)."""
+    (:func:`training.evaluation.deployable.sent_as_png`, what the manifest records)."""
     guard = Guard.from_bundle(run.dir.bundle, device=run.device)
     data = run.samples(name)
     split = Split(0, run.config.test_fraction, int(data.clean.indices.max()) + 1)

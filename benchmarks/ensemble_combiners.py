@@ -26,9 +26,9 @@ from sklearn.linear_model import LogisticRegression
 from detector.calibration import calibrate_threshold
 from detector.ensemble import EnsembleDetector
 from detector.margin import MARGIN_FEATURE
-from training.experiments import Samples
-from training.report import markdown_table
-from training.run_context import add_precomputed
+from training.evaluation.context import add_precomputed
+from training.evaluation.protocols import Samples
+from training.reporting.report import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402

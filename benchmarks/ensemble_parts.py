@@ -33,9 +33,9 @@ from detector.calibration import Calibration
 from detector.ensemble import EnsembleDetector
 from detector.forest import TransportDetector
 from detector.novelty import NOVELTY_DISTANCES
-from training.deployable import attack_family, equal_shares, with_family
-from training.experiments import Samples, Split
-from training.run_context import PipelineRun, add_precomputed
+from training.evaluation.context import PipelineRun, add_precomputed
+from training.evaluation.deployable import attack_family, equal_shares, with_family
+from training.evaluation.protocols import Samples, Split
 
 UNSEEN_TRAIN = "fgm-eps0.1"
 # (novelty tail, margin tail) pairs of the unseen table; the deployed table's rows below.

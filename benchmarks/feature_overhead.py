@@ -53,7 +53,7 @@ def _network(device: torch.device) -> tuple[torch.nn.Module, str]:
 
 def _images(n: int, split: str) -> tuple[np.ndarray, np.ndarray, str]:
     try:
-        from training.data import load_dataset, to_arrays
+        from training.data.datasets import load_dataset, to_arrays
 
         x, y = to_arrays(load_dataset("fashion-mnist", split), n, seed=0)
         return x, y, "Fashion-MNIST"

@@ -32,8 +32,8 @@ import numpy as np
 from detector.base import abnormal_labels, source_groups
 from detector.ensemble import EnsembleDetector
 from detector.forest import TransportDetector
-from training.deployable import misclassified
-from training.run_context import add_precomputed
+from training.evaluation.context import add_precomputed
+from training.evaluation.deployable import misclassified
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_combiners import part_matrix, part_names  # noqa: E402

@@ -25,9 +25,9 @@ import numpy as np
 
 from detector.ensemble import EnsembleDetector
 from detector.forest import TransportDetector
-from training.deployable import misclassified
-from training.experiments import Samples
-from training.run_context import add_precomputed
+from training.evaluation.context import add_precomputed
+from training.evaluation.deployable import misclassified
+from training.evaluation.protocols import Samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import ood_proxies, sources, training_side  # noqa: E402

@@ -18,10 +18,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from detector.networks import InputSpec, NetworkConfig, build_network, resolve_device
-from training.data import dataset_info, load_dataset, subset
-from training.initialization import init_weights
-from training.losses import UzawaMultiplier
-from training.trainer import train_one_epoch
+from training.data.datasets import dataset_info, load_dataset, subset
+from training.trainer.initialization import init_weights
+from training.trainer.loop import train_one_epoch
+from training.trainer.losses import UzawaMultiplier
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ def start_server(
         k: v for k, v in os.environ.items() if not k.startswith("LAPGUARD_") or k == "LAPGUARD_DATA"
     }
     environment.update(env or {})
-    command = [sys.executable, "-m", "training.cli", "serve", "--bundle", str(bundle), "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "training.cli.main", "serve", "--bundle", str(bundle), "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "warning", *flags]  # fmt: skip
     log = tempfile.TemporaryFile(mode="w+", prefix="lapguard-serve-")  # noqa: SIM115 (lives with the server)
     process = subprocess.Popen(

@@ -6,7 +6,7 @@ seed's parameters and the batched code with the parameters the quick preset give
 too). APGD (``apgd`` / ``apgd-batched``) runs once per ε of the quick preset's APGD sets, both
 sides with that set's parameters (the random starts differ: ART draws its own). All run
 on the first N test images of the seeded order (those of ``attack_costs.py``), through
-:func:`training.attacks.generate`, without any cache. Prints a markdown table: success
+:func:`training.attacks.registry.generate`, without any cache. Prints a markdown table: success
 rate on originally correct images, median L2 over the fooled ones, s/image, and the batched /
 ART ratios, with issue 11's bar (success within 3 points, median L2 within 15%); then how far the
 two sets of images are apart (max |pixel difference|) and how many images each leaves on the
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from detector.networks import load
-from training.adversarial import attack_images
-from training.attacks import generate, predict_labels
+from training.attacks.registry import generate, predict_labels
+from training.attacks.sets import attack_images
 from training.presets.pipelines import get_pipeline_preset
 
 PAIRS = [("cw", "cw-batched"), ("deepfool", "deepfool-batched"), ("apgd", "apgd-batched")]

@@ -29,9 +29,9 @@ from detector.ensemble import PENULTIMATE_TAIL, EnsembleDetector
 from detector.errors import ConfigError
 from detector.margin import MARGIN_FEATURE
 from detector.opinion import OPINION_NAMES
-from training.experiments import Samples
-from training.report import markdown_table
-from training.run_context import add_precomputed
+from training.evaluation.context import add_precomputed
+from training.evaluation.protocols import Samples
+from training.reporting.report import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import deployed_analog, masker, open_run, run_arguments, validation_cut  # noqa: E402

@@ -31,9 +31,9 @@ import torch
 
 from detector.nearest import clean_cdf
 from detector.novelty import NoveltyDetector
-from training.experiments import Samples, Split
-from training.report import markdown_table
-from training.run_context import PipelineRun
+from training.evaluation.context import PipelineRun
+from training.evaluation.protocols import Samples, Split
+from training.reporting.report import markdown_table
 
 TAIL = 0.025  # the ensemble's novelty tail
 RAMP_LEVELS = (0.0, 0.5, 0.68)  # the tail ramp's values whose clean-CDF levels are read

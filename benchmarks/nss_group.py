@@ -29,8 +29,8 @@ from detector.base import DEFAULT_VOTE_THRESHOLD, Detector
 from detector.features import NSS_NAMES
 from detector.nss import NSS_KEY, NSSDetector
 from detector.registry import get_detector
-from training.experiments import Samples, on_all_cores
-from training.run_context import add_precomputed
+from training.evaluation.context import add_precomputed
+from training.evaluation.protocols import Samples, on_all_cores
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402

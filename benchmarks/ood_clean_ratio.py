@@ -4,7 +4,7 @@ TRAINING side of a finished run only.
     .venv/bin/python benchmarks/ood_clean_ratio.py runs/quick
 
 The OOD protocol fits its detector against one abnormal set and clean images drawn from the whole
-training side (``training.experiments.balanced_draw``): as many as the abnormal rows in the seed,
+training side (``training.evaluation.protocols.balanced_draw``): as many as the abnormal rows in the seed,
 up to ``ood_clean_ratio`` per abnormal row (None, the quick and full presets': every clean image
 of the training side). With as many, an attack of a few hundred images (CW) leaves the forests a
 few hundred clean images to learn clean from. This script cuts the deploy network's seed-0
@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from detector.ensemble import FAMILY_CLEAN_RATIO, EnsembleDetector
-from training.experiments import balanced_draw
-from training.run_context import add_precomputed
+from training.evaluation.context import add_precomputed
+from training.evaluation.protocols import balanced_draw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import balanced_accuracies, ood_proxies, training_side  # noqa: E402

@@ -30,9 +30,9 @@ from sklearn.datasets import load_sample_images
 from detector.base import Detector
 from detector.ensemble import EnsembleDetector
 from detector.forest import TransportDetector
-from training.experiments import Samples
-from training.run_context import add_precomputed
-from training.synthetic_outliers import SYNTHETIC_OOD, SYNTHETIC_TRANSFORMS
+from training.data.synthetic_outliers import SYNTHETIC_OOD, SYNTHETIC_TRANSFORMS
+from training.evaluation.context import add_precomputed
+from training.evaluation.protocols import Samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import image_samples, ood_proxies, training_side  # noqa: E402

@@ -13,7 +13,7 @@ flagged at the bundle's calibrated threshold and the class the network gives mos
     saw them), beside the manifest's held-out clean FPR, the FPR a deployment pays;
   * rot90, upside-down, inverted: those training-split images transformed (transforms a bundle
     with synthetic outliers learnt, made from other images: not unseen for it);
-  * the outside sets of :mod:`training.outside_sets` (letters, shapes, photos, blocky digits,
+  * the outside sets of :mod:`training.data.outside_sets` (letters, shapes, photos, blocky digits,
     noises, constant images) and, when ``--mnist-root`` holds it (``make probe-data``), real
     handwritten MNIST digits.
 
@@ -37,9 +37,9 @@ from detector.bundle import read_manifest
 from detector.errors import DataNotFoundError
 from service.batch.command import ScoreRequest, score
 from service.batch.inputs import InMemoryInput
-from training.data import load_dataset, to_arrays
-from training.outside_sets import OUTSIDE_SETS, outside_set
-from training.synthetic_outliers import SYNTHETIC_TRANSFORMS
+from training.data.datasets import load_dataset, to_arrays
+from training.data.outside_sets import OUTSIDE_SETS, outside_set
+from training.data.synthetic_outliers import SYNTHETIC_TRANSFORMS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from local_server import start_server, stop_server  # noqa: E402

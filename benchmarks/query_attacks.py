@@ -39,7 +39,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from local_server import start_server, stop_server  # noqa: E402
 
-from training.data import load_dataset, to_arrays  # noqa: E402
+from training.data.datasets import load_dataset, to_arrays  # noqa: E402
 
 CHUNK = 64  # images per request: the server's max_images_per_request default
 

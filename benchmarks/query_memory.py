@@ -43,7 +43,7 @@ from service.query_memory import (
     nearest_far_pixels,
 )
 from service.settings import Settings
-from training.data import load_dataset, to_arrays
+from training.data.datasets import load_dataset, to_arrays
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from local_server import start_server, stop_server  # noqa: E402

@@ -36,8 +36,8 @@ from detector import networks
 from detector.calibration import calibrate_threshold
 from detector.ensemble import PENULTIMATE_TAIL, EnsembleDetector
 from detector.opinion import OPINION_NAMES, second_opinion
-from training.experiments import Samples
-from training.run_context import PipelineRun, add_precomputed
+from training.evaluation.context import PipelineRun, add_precomputed
+from training.evaluation.protocols import Samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402

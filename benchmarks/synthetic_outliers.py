@@ -3,7 +3,7 @@ run only (cut as ``ensemble_parts.py``: a fit part and a validation quarter; the
 never read).
 
 1. Do forests that learn some transforms flag another? Transport forests (class OR general) on
-   the fit part's clean images against synthetic outliers (:mod:`training.synthetic_outliers`)
+   the fit part's clean images against synthetic outliers (:mod:`training.data.synthetic_outliers`)
    of all transforms but one; the share flagged at 0.5 of the left-out transform's outliers,
    made from validation images, and of the validation clean images.
 2. The deployed analog (every attack in equal shares, threshold calibrated on the calibration
@@ -23,10 +23,15 @@ import numpy as np
 
 from detector.ensemble import EnsembleDetector
 from detector.forest import TransportDetector
-from training.deployable import attack_family, equal_shares, fit_with_outliers, with_family
-from training.experiments import Samples
-from training.run_context import PipelineRun, add_precomputed
-from training.synthetic_outliers import SYNTHETIC_TRANSFORMS, synthetic_outliers
+from training.data.synthetic_outliers import SYNTHETIC_TRANSFORMS, synthetic_outliers
+from training.evaluation.context import PipelineRun, add_precomputed
+from training.evaluation.deployable import (
+    attack_family,
+    equal_shares,
+    fit_with_outliers,
+    with_family,
+)
+from training.evaluation.protocols import Samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import (  # noqa: E402

@@ -14,7 +14,7 @@ One such calibration, cross-fitted (``--folds K``, default 5; 0: none): K analog
 without one fold of the fit part's source images, score that fold's clean images; the threshold
 is calibrated (same target and confidence) on those out-of-fold scores together with the full
 analog's calibration-slice scores, and applied to the full analog. The column "+ fitting
-images" is the calibration ``training.deployable.deploy`` ships: the slice's scores with the
+images" is the calibration ``training.evaluation.deployable.deploy`` ships: the slice's scores with the
 fit part's clean images scored by what never saw them (``Detector.score_held_out``), no refit.
 
     .venv/bin/python benchmarks/threshold_headroom.py runs/quick [--split 1] [--folds 5]
@@ -29,9 +29,9 @@ import numpy as np
 
 from detector.calibration import Calibration, calibrate_threshold
 from detector.ensemble import EnsembleDetector
-from training.experiments import Samples, Split
-from training.report import markdown_table
-from training.run_context import NetworkSamples, PipelineRun, add_precomputed
+from training.evaluation.context import NetworkSamples, PipelineRun, add_precomputed
+from training.evaluation.protocols import Samples, Split
+from training.reporting.report import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensemble_parts import deployed_analog, masker, open_run, run_arguments, validation_cut  # noqa: E402
@@ -68,7 +68,7 @@ def with_fitting_images(
 ) -> float:
     """The threshold calibrated (same target and confidence) on the calibration slice's scores
     and the fitting clean images' held-out scores (``Detector.score_held_out``), as
-    ``training.deployable.calibration_clean_scores`` gives them."""
+    ``training.evaluation.deployable.calibration_clean_scores`` gives them."""
     held_out = detector.score_held_out(fitting)
     assert held_out is not None
     scores = np.concatenate([calibration, held_out[np.isfinite(held_out)]])

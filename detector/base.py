@@ -6,7 +6,7 @@ attributes end in ``_``, :func:`check_fitted` guards use) with two entry levels:
 - its own level, on the arrays it reads (``TransportDetector.fit(features, is_abnormal,
   predicted)``, ``NSSDetector.fit(images, is_abnormal)``, ...);
 - the common level, on sample sets (anything with row-aligned ``images``, ``features``,
-  ``predicted`` and ``extra`` arrays, like ``training.experiments.Samples``):
+  ``predicted`` and ``extra`` arrays, like ``training.evaluation.protocols.Samples``):
   ``fit_samples(clean, abnormal)`` and ``score_samples(samples)``, HIGHER = MORE ABNORMAL.
 
 Detectors that read the network (``info.reads == "network"``) are first prepared on clean
@@ -58,7 +58,7 @@ class DetectorInfo:
 
 
 class SampleSet(Protocol):
-    """Row-aligned inputs of one kind; ``training.experiments.Samples`` is one."""
+    """Row-aligned inputs of one kind; ``training.evaluation.protocols.Samples`` is one."""
 
     images: np.ndarray  # [N, C, H, W] float32
     features: np.ndarray  # transport features [N, F]

@@ -104,7 +104,7 @@ class PredictResponse(BaseModel):
 
 
 class BuildProgress(BaseModel):
-    """A pipeline run building the next bundle: its ``RUN/progress.json`` (training/progress.py)."""
+    """A pipeline run building the next bundle: its ``RUN/progress.json`` (training/pipeline/progress.py)."""
 
     preset: str = Field(description="the pipeline preset being run, e.g. quick")
     step: str = Field(description="the step under way (or the last one), e.g. 'attack lap/cw'")

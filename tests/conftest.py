@@ -20,7 +20,7 @@ from detector.networks import InputSpec, NetworkConfig, build_network
 from service.settings import Settings
 from tests.live_server import LiveServer
 from tests.service_helpers import API_KEY, LIMITS, build_service_bundle, encode, synthetic_images
-from training.data import FASHION_CLASSES, default_root, prepare_fashion_mnist
+from training.data.datasets import FASHION_CLASSES, default_root, prepare_fashion_mnist
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -59,7 +59,7 @@ def tiny_network(tiny_config: NetworkConfig) -> torch.nn.Module:
 # ---- the smoke pipeline, run once per session (pipeline, page and demo tests read it) -----------
 def run_smoke_pipeline(out: Path, data_root: Path) -> int:
     """`lapguard pipeline --preset smoke --out OUT --root DATA_ROOT --no-progress`; its exit code."""
-    from training.cli import main as cli_main
+    from training.cli.main import main as cli_main
 
     command = ["pipeline", "--preset", "smoke", "--out", str(out), "--root", str(data_root)]
     return cli_main([*command, "--no-progress"])

@@ -12,18 +12,18 @@ from detector.features import extract_features
 from detector.forest import TransportDetector
 from detector.networks import InputSpec, NetworkConfig, build_network
 from tests.service_helpers import synthetic_images
-from training.adaptive import evasion_metrics, perturbation_metrics
-from training.adaptive_attacks import (
+from training.adaptive.attacks import (
     Attacker,
     get_adaptive_spec,
     list_adaptive_attacks,
     matched_features,
     run_adaptive,
 )
-from training.adaptive_target import DetectorPool, TargetSpec, assemble_target
-from training.attacks import generate
-from training.data import FASHION_CLASSES
-from training.surrogate import agreement, distill
+from training.adaptive.experiment import evasion_metrics, perturbation_metrics
+from training.adaptive.surrogate import agreement, distill
+from training.adaptive.target import DetectorPool, TargetSpec, assemble_target
+from training.attacks.registry import generate
+from training.data.datasets import FASHION_CLASSES
 
 N_FIT = 120
 
@@ -199,7 +199,7 @@ def test_random_pool_draws_different_members_and_flags_at_each_threshold(
 
 
 def test_report_section_shows_each_row(tmp_path) -> None:
-    from training.adaptive_report import adaptive_section
+    from training.reporting.adaptive import adaptive_section
 
     row = {
         "model": "lap", "target": "transport", "attack": "surrogate-pgd",

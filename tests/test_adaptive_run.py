@@ -13,9 +13,9 @@ import pytest
 
 from detector.errors import ArtefactError
 from detector.features import penultimate_width
-from training.adaptive import build_attacker, part_flags, target_margins
-from training.adaptive_target import TARGET_FILE, TargetSpec, fit_target, target_dir
-from training.run_context import PipelineRun
+from training.adaptive.experiment import build_attacker, part_flags, target_margins
+from training.adaptive.target import TARGET_FILE, TargetSpec, fit_target, target_dir
+from training.evaluation.context import PipelineRun
 
 pytestmark = pytest.mark.slow  # the smoke run
 

@@ -17,10 +17,10 @@ import torch
 from detector import networks
 from detector.artefacts import sha256_file
 from detector.networks import InputSpec, NetworkConfig, build_network
-from training.adversarial import AdversarialSet, get_or_generate, load_adversarial_set
-from training.cli import main
-from training.data import load_dataset, to_arrays
-from training.ray_attacks import RayEngine
+from training.attacks.ray_engine import RayEngine
+from training.attacks.sets import AdversarialSet, get_or_generate, load_adversarial_set
+from training.cli.main import main
+from training.data.datasets import load_dataset, to_arrays
 
 # Tiny settings: the sets must be equal, not strong.
 HSJ = {"max_iter": 2, "max_eval": 50, "init_eval": 10, "init_size": 20}

@@ -14,13 +14,7 @@ import torch
 from detector import networks
 from detector.errors import ArtefactError, ConfigError, DataNotFoundError, InputError
 from detector.networks import InputSpec, NetworkConfig, build_network
-from training.adversarial import (
-    get_or_generate,
-    load_adversarial_set,
-    network_sha256,
-    set_key,
-)
-from training.attacks import (
+from training.attacks.registry import (
     OVERSHOOTS,
     AttackRunner,
     attack_defaults,
@@ -30,8 +24,9 @@ from training.attacks import (
     make_attack_params,
     predict_labels,
 )
-from training.cli import main
-from training.data import default_root, load_dataset, to_arrays
+from training.attacks.sets import get_or_generate, load_adversarial_set, network_sha256, set_key
+from training.cli.main import main
+from training.data.datasets import default_root, load_dataset, to_arrays
 
 ATTACKS = [
     "fgm",
@@ -316,7 +311,7 @@ def test_batched_deepfool_with_few_candidates_works_per_image(network, data_root
     boundary among its own most likely classes: its result does not depend on the batch it
     is in (ART's union of those classes over the batch made it), and it fools the network about
     as often as DeepFool over every class, at about the same distance."""
-    from training.batched_attacks import deepfool
+    from training.attacks.batched import deepfool
 
     x, y = to_arrays(load_dataset("fashion-mnist", "test", root=data_root), 24, seed=2)
     xt = torch.from_numpy(x)
@@ -379,8 +374,8 @@ def test_apgd_returns_misclassified_images_unchanged_and_the_pipeline_drops_them
 ) -> None:
     """ART's APGD only attacks images the network still classifies correctly: an image it
     already misclassifies comes back as it is, a clean image, which
-    :func:`training.run_context.perturbed` keeps out of the detection sets."""
-    from training.run_context import perturbed
+    :func:`training.evaluation.context.perturbed` keeps out of the detection sets."""
+    from training.evaluation.context import perturbed
 
     adv = _set(tmp_path, network, images, attack, {**TINY[attack], "eps": 0.1}, n=6)
     misclassified = adv.clean_pred != adv.labels

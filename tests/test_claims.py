@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from training import claims
-from training.cli import main as cli_main
-from training.diagnose import run_diagnose_preset
+from training.cli.main import main as cli_main
+from training.diagnostics import claims
+from training.diagnostics.diagnose import run_diagnose_preset
 from training.presets.pipelines import DiagnoseConfig, get_diagnose_preset
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from detector.errors import ConfigError, LapguardError
 from tests.ondisk import write_cifar, write_svhn
-from training.cli import UsageError, build_parser, detector_choices, main
-from training.launch import resolve_train_config
+from training.cli.launch import resolve_train_config
+from training.cli.main import UsageError, build_parser, detector_choices, main
 from training.presets.pipelines import list_pipeline_presets
 
 PAPER = "paper-cifar10-resnet110"

@@ -12,7 +12,7 @@ import torch
 from detector.errors import ConfigError, DataNotFoundError
 from detector.networks import InputSpec
 from tests.ondisk import write_cifar, write_mnist, write_svhn, write_tiny_imagenet
-from training.data import (
+from training.data.datasets import (
     dataset_info,
     load_dataset,
     load_ood,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from detector import networks
-from training.config import TrainConfig
+from training.trainer.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def _torchrun(config: Path, out: Path, data_root: Path, *extra: str) -> subproce
         "--standalone",  # rendezvous on 127.0.0.1, a free port
         "--nproc_per_node=2",
         "-m",
-        "training.cli",
+        "training.cli.main",
         "train",
         "--config",
         str(config),

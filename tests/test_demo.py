@@ -17,12 +17,12 @@ from detector.errors import DataNotFoundError
 from service.settings import Settings
 from tests.live_server import LiveServer
 from tests.service_helpers import ADMIN_KEY, encode, rewrite_bundle, synthetic_images
-from training.background import BackgroundPipeline, BundleSwitcher
-from training.demo import demo_settings, is_finished
-from training.pipeline import pipeline_steps, run_pipeline
-from training.progress import PipelineProgress
-from training.run_context import PipelineRun
-from training.steps import preset_config
+from training.cli.background import BackgroundPipeline, BundleSwitcher
+from training.cli.demo import demo_settings, is_finished
+from training.evaluation.context import PipelineRun
+from training.pipeline.progress import PipelineProgress
+from training.pipeline.run import pipeline_steps, run_pipeline
+from training.pipeline.steps import preset_config
 
 SMOKE_STEPS = 9  # 2 networks + 2 x 1 attack set + evaluate, fit, results, report, bundle
 

@@ -21,7 +21,7 @@ from detector.registry import (
     list_detectors,
     load_detector,
 )
-from training.experiments import Samples
+from training.evaluation.protocols import Samples
 
 SMALL = {
     "transport": {"n_estimators": 20},

@@ -131,7 +131,7 @@ def test_held_out_votes_count_only_trees_that_never_drew_a_rows_group() -> None:
 def test_fit_samples_groups_each_attacked_image_with_its_source() -> None:
     from types import SimpleNamespace
 
-    from training.experiments import Samples
+    from training.evaluation.protocols import Samples
 
     x, y, predicted = _separated(150, 9, shift=0.9)
     source = np.r_[np.arange(150), np.arange(150)]  # row i and row 150 + i: one source image
@@ -326,7 +326,7 @@ def test_nss_detector_scores_noise_higher_than_real_images(data_root: Path) -> N
     with pytest.raises(InputError, match="fitted on 36 features, got 8"):
         detector.score_features(np.zeros((2, 8), np.float32))
     # Precomputed once per image set (the pipeline's cache), the same fit and the same scores.
-    from training.experiments import Samples
+    from training.evaluation.protocols import Samples
 
     def rows(images: np.ndarray, precomputed: bool) -> Samples:
         n = len(images)

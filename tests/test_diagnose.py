@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from detector import artefacts
-from training import diagnose
-from training.adversarial import attack_run
-from training.cli import main as cli_main
-from training.config import TrainConfig
-from training.probes import fit_linear_probe
-from training.report import dynamics_section, refresh_report
+from training.attacks.sets import attack_run
+from training.cli.main import main as cli_main
+from training.diagnostics import diagnose
+from training.reporting.report import dynamics_section, refresh_report
 from training.rundir import RunDir
-from training.trainer import train
+from training.trainer.config import TrainConfig
+from training.trainer.loop import train
+from training.trainer.probes import fit_linear_probe
 
 TINY = {"width": 4, "depth": 3, "hidden": 8}
 OPTIONS = diagnose.DiagnoseOptions(n=40, probe_n=200, ots_n=30, attacks=True, batch_size=64)
@@ -129,7 +129,7 @@ def test_every_measure_has_one_value_per_block_or_layer(diagnosed: dict) -> None
 
 def test_the_head_layer_reads_the_network_prediction(diagnosed: dict, tiny_run: Path) -> None:
     from detector import networks
-    from training.adversarial import attack_images
+    from training.attacks.sets import attack_images
 
     x, y, _ = attack_images(RunDir(tiny_run).model("a"), n=40, seed=0)
     with torch.no_grad():

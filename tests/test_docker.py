@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from training.cli import build_parser
+from training.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"

@@ -13,7 +13,7 @@ from detector.forest import TransportDetector
 from detector.metrics import detection_metrics
 from detector.novelty import NoveltyDetector
 from detector.quantile import QuantileDetector
-from training.experiments import (
+from training.evaluation.protocols import (
     Samples,
     Sides,
     Split,

@@ -11,8 +11,13 @@ import pytest
 
 from detector.errors import ConfigError
 from detector.features import FeatureSpec
-from training.experiments import Samples, Split
-from training.feature_selection import restrict, select_features, spec_columns, union_spec
+from training.evaluation.feature_selection import (
+    restrict,
+    select_features,
+    spec_columns,
+    union_spec,
+)
+from training.evaluation.protocols import Samples, Split
 
 CANDIDATES = [FeatureSpec(), FeatureSpec(head=True)]
 NAMES = FeatureSpec(head=True).names(2)  # msq_0 cos_0 msq_1 cos_1 head_margin ...

@@ -9,8 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from detector.forest import TransportDetector
-from training.experiments import Samples, Sides, index_universe, run_protocols
-from training.learning_curves import curve_sizes, learning_curve
+from training.evaluation.learning_curves import curve_sizes, learning_curve
+from training.evaluation.protocols import Samples, Sides, index_universe, run_protocols
 from training.plots import plot_learning_curves
 from training.presets.pipelines import PipelineConfig, get_pipeline_preset
 

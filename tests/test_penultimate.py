@@ -24,7 +24,7 @@ from detector.penultimate import (
     penultimate_embedding,
 )
 from tests.test_bundle_guard import _images
-from training.experiments import Samples
+from training.evaluation.protocols import Samples
 
 
 def test_the_last_columns_are_the_unit_input_of_the_last_linear_layer(

@@ -12,8 +12,8 @@ import pytest
 from detector.guard import Guard
 from detector.metrics import auroc
 from tests.conftest import run_smoke_pipeline
-from training.cli import main as cli_main
-from training.run_context import PipelineRun
+from training.cli.main import main as cli_main
+from training.evaluation.context import PipelineRun
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def test_the_evaluation_gives_the_protocols_the_runs_ood_clean_ratio(
 ) -> None:
     """A run whose config asks for every clean training image in the OOD protocol evaluates
     with that rule (the protocols themselves are tested in test_experiments.py)."""
-    import training.evaluate as evaluation
+    import training.evaluation.evaluate as evaluation
 
     run = tmp_path / "run"
     shutil.copytree(smoke_run, run)
@@ -100,7 +100,7 @@ def test_synthetic_training_outliers_are_made_of_validation_images_and_refused_w
     one of the test images the splits cut), once per network; a network that held back fewer
     images than the set needs stops the evaluation with a message naming the way out."""
     from detector.errors import ConfigError
-    from training.run_context import PipelineRun, validation_images
+    from training.evaluation.context import PipelineRun, validation_images
 
     run = tmp_path / "run"
     shutil.copytree(smoke_run, run)
@@ -127,7 +127,7 @@ def test_a_pipeline_that_asks_for_more_validation_images_than_held_back_stops_be
     """Refused in seconds at the first step, not after the training and the attacks: no network
     is trained, and the run's progress says why (as the demo's page shows it)."""
     from detector.errors import ConfigError
-    from training.pipeline import check_synthetic_ood, run_pipeline
+    from training.pipeline.run import check_synthetic_ood, run_pipeline
     from training.presets.pipelines import get_pipeline_preset
 
     config = get_pipeline_preset("smoke").model_copy(update={"ood_n": 501})
@@ -148,8 +148,8 @@ def test_a_run_resumes_across_a_new_time_estimate_but_not_across_another_computa
     """A newer version's ``expected_duration`` (or another device) resumes the run directory and
     keeps its saved config; a field that changes what is computed is refused."""
     from detector.errors import ConfigError
+    from training.evaluation.context import init_run
     from training.presets.pipelines import get_pipeline_preset
-    from training.run_context import init_run
 
     config = get_pipeline_preset("smoke")
     run = tmp_path / "run"
@@ -164,8 +164,8 @@ def test_a_run_resumes_across_a_new_time_estimate_but_not_across_another_computa
 def test_timings_record_every_step_and_the_report_sums_them(smoke_run) -> None:
     """timings.jsonl: the machine's reference workload, then one line per step, in order; the
     report's run-time table adds up the steps before it."""
-    from training.pipeline import pipeline_steps
-    from training.run_context import PipelineRun
+    from training.evaluation.context import PipelineRun
+    from training.pipeline.run import pipeline_steps
     from training.timings import read_timings
 
     rows = read_timings(smoke_run)
@@ -227,7 +227,7 @@ def test_bundle_scores_like_the_evaluation(smoke_run, data_root) -> None:
     )
     with np.load(smoke_run / "features" / "lap" / "clean.npz", allow_pickle=False) as clean:
         logits = clean["logits"]
-    from training.adversarial import attack_images
+    from training.attacks.sets import attack_images
 
     x, _, _ = attack_images(smoke_run / "models" / "lap", n=64, root=data_root)
     result = guard.predict(x)
@@ -285,8 +285,8 @@ def test_held_out_clean_flags_split_by_whether_the_network_is_right(smoke_run, d
     import torch
 
     from detector.networks import load
-    from training.adversarial import attack_images
-    from training.experiments import Split
+    from training.attacks.sets import attack_images
+    from training.evaluation.protocols import Split
 
     info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
     manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
@@ -311,8 +311,8 @@ def test_deploy_on_split_seed_0_is_the_shipped_detector_and_another_seed_another
     """``deploy`` is the recipe ``fit_deployable`` writes: on seed 0 it gives deployable.json's
     threshold and held-out rates exactly; another seed holds out other images (about as many:
     each image is held out by a seeded draw)."""
-    from training.deployable import deploy
-    from training.run_context import PipelineRun
+    from training.evaluation.context import PipelineRun
+    from training.evaluation.deployable import deploy
 
     run_dir = tmp_path / "run"
     shutil.copytree(smoke_run, run_dir)  # deploy caches arrays in the run
@@ -348,8 +348,8 @@ def _held_out(
     """The held-out (B2) perturbed images of one attack set of the smoke run's deploy network,
     rebuilt from its store (the rows the pipeline scored: those the attack moved), and their
     source images' true labels."""
-    from training.adversarial import attack_images, get_or_generate
-    from training.experiments import Split
+    from training.attacks.sets import attack_images, get_or_generate
+    from training.evaluation.protocols import Split
 
     model_dir = smoke_run / "models" / info["network"]
     x, y, indices = attack_images(model_dir, n=600, root=data_root)
@@ -437,9 +437,9 @@ def two_family_run(smoke_run, data_root, tmp_path_factory) -> Path:
     copy of its networks, attack sets and features: the shipped ensemble then fits family
     forests, and the margin part meets the attack it is for."""
 
-    from training.pipeline import run_pipeline
+    from training.pipeline.run import run_pipeline
+    from training.pipeline.steps import preset_config
     from training.presets.pipelines import PipelineConfig
-    from training.steps import preset_config
 
     run = tmp_path_factory.mktemp("two-families") / "run"
     for part in ("models", "attacks", "features"):
@@ -534,7 +534,7 @@ def test_shipped_rates_cover_ood_and_successful_images_and_the_server_reproduces
     the successful adversarial images, in the feature set the training side chose; a live server
     sent the OOD images flags exactly that share of them."""
     from detector.networks import load
-    from training.data import load_ood
+    from training.data.datasets import load_ood
 
     info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
     manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
@@ -562,7 +562,7 @@ def test_a_server_at_an_operating_point_reproduces_its_recorded_rates(smoke_run,
     operating point on the same clean scores; deployable.json records each point's held-out
     rates and the manifest the threshold of each it offers; a live server started at another
     point flags the held-out FGM images exactly as recorded there, not as at its own."""
-    from training.deployable import OPERATING_FPRS
+    from training.evaluation.deployable import OPERATING_FPRS
 
     info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
     manifest = json.loads((smoke_run / "bundle" / "manifest.json").read_text())
@@ -596,7 +596,7 @@ def test_the_transport_forests_read_the_set_they_chose(smoke_run) -> None:
     """TR chooses its own feature set on the training side (``selection-transport.json``, fitted
     with TR itself); the protocols hand TR that set's columns, the ensemble and the bundle the
     selection detector's; the evaluation and the report say which set each detector read."""
-    from training.run_context import PipelineRun
+    from training.evaluation.context import PipelineRun
 
     lap = smoke_run / "features" / "lap"
     own = json.loads((lap / "selection-transport.json").read_text())

@@ -31,7 +31,7 @@ from service.query_memory import (
 )
 from service.settings import Settings
 from tests.service_helpers import near_duplicates, square_like
-from training.data import load_dataset, to_arrays
+from training.data.datasets import load_dataset, to_arrays
 
 DEFAULTS = Settings()
 K = DEFAULTS.query_neighbours

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from detector.errors import ArtefactError
-from training.report import format_cell, markdown_table, set_label, timing_section, write_report
+from training.reporting.report import (
+    format_cell,
+    markdown_table,
+    set_label,
+    timing_section,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BLOCKS = 4

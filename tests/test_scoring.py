@@ -24,7 +24,7 @@ from service.batch.http import HttpScorer, drive_results, score_url
 from service.settings import Settings
 from tests.live_server import LiveServer
 from tests.service_helpers import CLASSES, STRICT_TARGET_FPR, encode, synthetic_images
-from training.cli import main as cli_main
+from training.cli.main import main as cli_main
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def _serve(bundle: Path, *extra: str, log: IO[str] | None = None) -> subprocess.
         [
             sys.executable,
             "-m",
-            "training.cli",
+            "training.cli.main",
             "serve",
             "--bundle",
             str(bundle),

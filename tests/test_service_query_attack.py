@@ -21,7 +21,7 @@ from service.batch.http import score_url
 from service.settings import Settings
 from tests.live_server import LiveServer
 from tests.service_helpers import LIMITS, encode, near_duplicates, square_like
-from training.data import load_dataset, to_arrays
+from training.data.datasets import load_dataset, to_arrays
 
 K = Settings().query_neighbours
 

@@ -11,7 +11,7 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from detector.errors import ConfigError, InputError
-from training.synthetic_outliers import SYNTHETIC_TRANSFORMS, synthetic_outliers
+from training.data.synthetic_outliers import SYNTHETIC_TRANSFORMS, synthetic_outliers
 
 
 def _images(n: int, c: int, h: int, w: int, seed: int = 0) -> np.ndarray:
@@ -82,9 +82,9 @@ def test_deployed_ensemble_learns_synthetic_outliers_of_images_it_never_saw(
     """With synthetic outliers, the shipped ensemble holds a 'synthetic' family and flags the
     outliers made from held-out (test-side) clean images apart from held-out clean images far
     better than the smoke run's own ensemble does (AUROC); deployable.json records what it learnt."""
-    from training.deployable import SPLIT_SEED, fit_deployable, load_deployable
-    from training.experiments import Split
-    from training.run_context import PipelineRun
+    from training.evaluation.context import PipelineRun
+    from training.evaluation.deployable import SPLIT_SEED, fit_deployable, load_deployable
+    from training.evaluation.protocols import Split
 
     run_dir = _copy_with_synthetic(smoke_run, tmp_path / "run", 200)
     run = PipelineRun.open(run_dir, root=data_root)
@@ -123,8 +123,8 @@ def test_deployed_ensemble_learns_synthetic_outliers_of_images_it_never_saw(
 def test_a_changed_count_refits_and_an_impossible_one_is_refused(
     smoke_run, data_root, tmp_path
 ) -> None:
-    from training.deployable import fit_deployable
-    from training.run_context import PipelineRun
+    from training.evaluation.context import PipelineRun
+    from training.evaluation.deployable import fit_deployable
 
     run_dir = _copy_with_synthetic(smoke_run, tmp_path / "run", 0)
     shutil.copytree(smoke_run / "detector", run_dir / "detector")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from training.progress import PipelineProgress
+from training.pipeline.progress import PipelineProgress
 from training.timings import grouped_minutes, read_timings, record_reference, step_seconds
 
 

@@ -11,11 +11,16 @@ from safetensors.torch import load_file
 
 from detector import networks
 from detector.errors import ArtefactError, ConfigError, DataNotFoundError
-from training.cli import main as cli_main
-from training.config import TrainConfig, read_train_config
-from training.losses import UzawaMultiplier, compute_loss, reverse_cross_entropy, transport_cost
+from training.cli.main import main as cli_main
 from training.presets import get_train_preset, list_train_presets
-from training.trainer import train
+from training.trainer.config import TrainConfig, read_train_config
+from training.trainer.loop import train
+from training.trainer.losses import (
+    UzawaMultiplier,
+    compute_loss,
+    reverse_cross_entropy,
+    transport_cost,
+)
 
 
 def test_transport_cost_is_sum_of_mean_squares() -> None:

@@ -20,7 +20,7 @@ def plot_training_curve(
     steps: Sequence[dict[str, Any]], epochs: Sequence[dict[str, Any]], path: str | Path
 ) -> Path:
     """Loss terms, lambda and accuracies over training (steps logged every few batches); with
-    the dynamics monitors (training/monitors.py), their per-epoch curves in a second row."""
+    the dynamics monitors (training/trainer/monitors.py), their per-epoch curves in a second row."""
     path = Path(path)
     monitored = any(r.get("monitor_w_layers") for r in epochs)
     fig, grid = plt.subplots(2 if monitored else 1, 3, figsize=(14, 7.6 if monitored else 3.8))

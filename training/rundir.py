@@ -3,10 +3,10 @@
 Run directory (``lapguard pipeline --run RUN``)::
 
     pipeline_config.json
-    progress.json                           the step under way, k of n (training/progress.py)
+    progress.json                           the step under way, k of n (training/pipeline/progress.py)
     pipeline.log                            the output of a pipeline run in the background (demo)
     models/<name>/                          trained networks (a ModelDir each)
-    attacks/<name>/<attack>-<key>/          adversarial sets (training/adversarial.py)
+    attacks/<name>/<attack>-<key>/          adversarial sets (training/attacks/sets.py)
     features/<name>/<set>.npz               transport features + logits of a sample set
     features/<name>/<detector>/<set>.npz   a detector's precomputed arrays of the same set (mahalanobis, nss)
     scores/...                              first-seed detection scores (ROC curves)

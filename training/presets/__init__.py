@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from detector.errors import ConfigError
-from training.config import LapSettings, MonitorSettings, TrainConfig
+from training.trainer.config import LapSettings, MonitorSettings, TrainConfig
 
 OBJECTIVE_SUFFIXES = {"vanilla": "vanilla", "lap": "lap", "rce": "rce"}
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from detector.errors import ConfigError
 from detector.features import FeatureSpec
-from training.synthetic_outliers import SYNTHETIC_OOD
+from training.data.synthetic_outliers import SYNTHETIC_OOD
 
 DetectorName = Literal["transport", "mahalanobis", "nss", "quantile", "novelty", "ensemble"]
 ServableName = Literal["transport", "quantile", "novelty", "ensemble"]
@@ -108,7 +108,7 @@ class PipelineConfig(BaseModel):
     seen: list[str] | None = None  # attack keys for the seen setting (default: every attack)
     unseen_train: str | None = None  # attack key trained on in the unseen setting
     # Attack keys, OOD set names, or "synthetic": outliers of the network's own validation images
-    # (training/synthetic_outliers.py), the seed's OOD experiment trained on another distribution.
+    # (training/data/synthetic_outliers.py), the seed's OOD experiment trained on another distribution.
     ood_train: list[str] = Field(default_factory=list)
     ood_test: list[str] = Field(default_factory=lambda: ["digits", "noise"])
     ood_n: int = Field(1000, ge=10)
@@ -134,7 +134,7 @@ class PipelineConfig(BaseModel):
     deploy_attacks: list[str] | None = (
         None  # attack keys the deployed detector is trained on (default: all)
     )
-    # Synthetic outliers (training/synthetic_outliers.py) the deployed ensemble also learns, as
+    # Synthetic outliers (training/data/synthetic_outliers.py) the deployed ensemble also learns, as
     # one more family beside the attacks: made from this many training-side clean images (0: none).
     deploy_synthetic_outliers: int = Field(0, ge=0)
     # Attack keys whose learning curve (seen-setting accuracy of the transport detector on the
@@ -473,7 +473,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
 
 class DiagnoseConfig(BaseModel):
     """``lapguard diagnose --preset NAME --run DIR``: train the networks the seeds' comparisons
-    need, diagnose them (training/diagnose.py) and measure each claim (training/claims.py).
+    need, diagnose them (training/diagnostics/diagnose.py) and measure each claim (training/diagnostics/claims.py).
 
     ``models`` maps a role to a training preset; the claims read the roles ``resnet`` (residual,
     BatchNorm, vanilla), ``lap`` (the same with LAP), ``plain`` (no skips) and ``unit``

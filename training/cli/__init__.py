@@ -1,0 +1,1 @@
+"""The `lapguard` command line: argument parsing and console output (no library code here)."""

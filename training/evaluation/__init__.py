@@ -1,0 +1,1 @@
+"""The run context, the detection protocols, the deployable detector and results.json."""

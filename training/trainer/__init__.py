@@ -1,0 +1,1 @@
+"""Training a residual network: LAP, vanilla and RCE losses, the loop, its checkpoints and monitors."""
