@@ -61,6 +61,7 @@ lint: setup
 	$(BIN)/ruff check detector training service tests benchmarks
 	$(BIN)/ruff format --check detector training service tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 demo: setup data
 	$(BIN)/lapguard demo --root $(DATA_ROOT)

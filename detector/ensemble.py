@@ -10,7 +10,7 @@ part and the penultimate part below, each ramp over a 2.5% tail (``tail``, ``mar
 together: they overlap) and the forests about 1-1.5%. The first two were sized to share the
 bundle's 5% target: measured on the training side only, the novelty part sharing it with the
 margin part flagged more unseen attacks (minimal-perturbation ones most) than the novelty part
-spending it alone (docs/decisions.md, "Clean-tail budget"). The parts:
+spending it alone (docs/decisions.md, "Ensemble parts and tails"). The parts:
 
 - family forests: fitted on several attack families, each family also gets forests of its own
   (a family that is a small share of the pooled forests' abnormal rows is still flagged as a
@@ -18,7 +18,7 @@ spending it alone (docs/decisions.md, "Clean-tail budget"). The parts:
   clean rows per row of the family: with as many clean rows as attacked ones, a minimal-
   perturbation family's forests learn clean from a few hundred images and spend most of the
   ensemble's false-positive budget; four clean rows per row lower the calibrated threshold and
-  flag more attacks (docs/decisions.md, "Family clean ratio");
+  flag more attacks (docs/decisions.md, "Ensemble parts and tails");
 - the margin part (:mod:`detector.margin`): the clean CDF of the logit margin per predicted
   class, ramped over its last ``margin_tail``: images on the decision boundary, where
   minimal-perturbation attacks stop, whatever the attack;

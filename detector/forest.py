@@ -9,8 +9,8 @@ Why the OR: the general forest alone detects seen attacks slightly better (the O
 class forests' false positives), but alone it is evaded more often by an attacker who knows the
 detector and, trained on one attack, carries over less to unseen ones. Seed 003 §H expects the OR
 to resist adaptive attacks better; it does, so it is the default (a feature-matching attack
-guided by the penultimate embedding still evades it on some images; docs/decisions.md, "Forest
-combination").
+guided by the penultimate embedding still evades it on some images; docs/decisions.md, "Class
+forest OR general forest").
 
 ``TensorForest`` holds fitted trees as flat node arrays and walks a whole batch through every
 tree at once with gathers (one step per tree level), on CPU or GPU. Detectors travel as plain
@@ -238,7 +238,7 @@ class TransportDetector(ForestDecision, Detector):
     (default), the score's best balanced accuracy on the out-of-bag votes, or ``"majority"``,
     0.5 (see :class:`~detector.voting.ForestDecision`). The OR of two forests adds their false
     positives at 0.5; the out-of-bag point weighs them against the misses (docs/decisions.md,
-    "Forest decision").
+    "The forests' own decision").
     """
 
     info = DetectorInfo(

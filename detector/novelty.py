@@ -16,7 +16,7 @@ far tail.
 Why the nearest sample: clean is not one ellipsoid per class, so an input far from every clean
 image can still be near its class's mean; measured on the training side only, in the ensemble,
 the nearest sample flagged more unseen attacks and out-of-distribution stand-ins at a lower clean
-FPR than the class mean (docs/decisions.md, "Novelty distance").
+FPR than the class mean (docs/decisions.md, "Ensemble parts and tails").
 
 It travels as arrays + JSON, never pickles.
 """

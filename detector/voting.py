@@ -44,7 +44,7 @@ def oob_vote_fraction(
     ``groups`` (one id per row): rows of a group are out of a tree's bag only when it drew none
     of them. An attacked image and its clean source are near twins with opposite labels: a tree
     that drew one votes the other's label wrong, so ungrouped votes on paired rows understate
-    the forest (docs/decisions.md, "Grouped out-of-bag votes")."""
+    the forest (docs/decisions.md, "The forests' own decision")."""
     x = _trees_input(forest, features)
     rows = check_groups(groups, len(x))
     return held_out_votes(forest, x, rows, rows)[0]

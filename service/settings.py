@@ -15,7 +15,7 @@ from detector.images import DEFAULT_FORMATS, DEFAULT_MAX_PIXELS, readable_format
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 #: Query signature levels and neighbour count; see ``query_levels`` and docs/decisions.md,
-#: "Query memory".
+#: "Query signature levels and neighbours".
 QUERY_LEVELS = 4
 QUERY_NEIGHBOURS = 3
 
@@ -96,7 +96,7 @@ class Settings(BaseSettings):
             "keeps a core, and every core for batches of large requests (8+ images each on "
             "average), whose reading and decoding cost the loop little (measured on 2 cores: 1 "
             "thread gives 2.5x lower one-client latency and 1.3x the throughput of 32 "
-            'single-image clients; docs/decisions.md, "Torch threads")'
+            'single-image clients; docs/decisions.md, "Forward-pass threads")'
         ),
     )
 

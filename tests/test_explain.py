@@ -246,6 +246,6 @@ def test_the_page_and_its_assets_are_served_with_a_strict_csp(server: LiveServer
     assert "/static/app.js" in page.text and "http" not in page.text.split("<body>")[0]
     sizes = [len(httpx.get(server.url + f"/static/{n}").content) for n in ("app.js", "style.css")]
     assert all(size > 1000 for size in sizes)
-    assert len(page.content) + sum(sizes) < 100_000  # the budget for the page
+    assert len(page.content) + sum(sizes) < 100_000  # the page's size budget
     schema = httpx.get(server.url + "/openapi.json").json()["paths"]
     assert {"/v1/explain", "/v1/gallery", "/v1/gallery/{index}.png", "/v1/stats"} <= set(schema)

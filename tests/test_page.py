@@ -111,7 +111,7 @@ def test_page_shows_the_apis_verdicts_and_draws_the_chart(
     browser.get(page_server.url + "/")
     _wait(browser, lambda d: _css(d, "#model-list"))
     load_seconds = time.perf_counter() - started
-    assert load_seconds < 5  # the target is 1 s; the page is ~25 kB from loopback
+    assert load_seconds < 5  # the page is ~25 kB from loopback (about 1 s is the aim)
     _enter_key(browser)
     _upload(browser, files["clean"], files["adversarial"])
     cards = _cards(browser, 2)

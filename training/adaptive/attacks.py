@@ -158,7 +158,8 @@ class FeatureMatchParams(AdaptiveParams):
         "penultimate",
         description="for a detector that does not read the penultimate embedding: match it too, "
         "to the embedding of the clean row HopSkipJump started from (L-BFGS stalls on the "
-        "trajectory features alone: see benchmarks/RESULTS.md)",
+        "trajectory features alone: docs/decisions.md, 'Feature matching guided by the "
+        "embedding')",
     )
 
 

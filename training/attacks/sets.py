@@ -85,9 +85,9 @@ class SetManifest(BaseModel):
     batch_size: int
     workers: int
     device: str
-    engine: str = Field("local", description="where the last session attacked: local or ray")
+    engine: str = Field("local", description="where the last run attacked: local or ray")
     libraries: dict[str, str | None]
-    wall_seconds: float = Field(description="elapsed generation time, summed over resumed sessions")
+    wall_seconds: float = Field(description="elapsed generation time, summed over resumed runs")
     # Sum of the batches' own times (worker-seconds); None in sets written before it was recorded.
     batch_seconds: float | None = None
     seconds_per_image: float = Field(
@@ -486,7 +486,7 @@ def _plan_set(
 
 
 class _BatchProgress:
-    """The progress bar and the wall-time record of one generation session. Wall time goes to
+    """The progress bar and the wall-time record of one generation run. Wall time goes to
     state.json after every batch, so a killed run loses at most one batch of it."""
 
     def __init__(
@@ -563,7 +563,7 @@ class BatchJob:
 
 
 class EngineRun(NamedTuple):
-    """How an engine ran a session's batches, as the set's manifest records it."""
+    """How an engine ran one run's batches, as the set's manifest records it."""
 
     engine: str
     workers: int

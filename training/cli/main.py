@@ -102,7 +102,7 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- attack (issue: attack generation) -------------------------------------------------------
+# ---- attack -----------------------------------------------------------------------------------------
 def _add_attack(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "attack", help="generate (or load cached) adversarial sets against a run's networks"
@@ -425,7 +425,7 @@ def _run_bundle(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- diagnose (issue 13: network dynamics) ----------------------------------------------------
+# ---- diagnose (network dynamics) --------------------------------------------------------------
 def _add_diagnose(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "diagnose",
@@ -535,7 +535,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- serve (issue: detection service) --------------------------------------------------------
+# ---- serve (detection service) --------------------------------------------------------
 def _add_target_fpr(p: argparse.ArgumentParser) -> None:
     """``--target-fpr``, the bundle's operating point ``serve`` and ``score`` flag at."""
     p.add_argument(
@@ -598,7 +598,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- score (issue: batch scoring) -------------------------------------------------------------
+# ---- score (batch scoring) -------------------------------------------------------------
 def _add_score(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "score",

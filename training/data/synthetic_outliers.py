@@ -6,7 +6,7 @@ meant to see looks like: outlier exposure (Hendrycks et al. 2019) without an out
 Six transforms, each keeping the image's size and value range: rotated by 90 degrees, upside
 down, inverted, its 4 x 4 grid of tiles shuffled, its centre zoomed in 2x, and shrunk 2x onto a
 blank canvas. Source image ``i`` of a batch gets transform ``i mod 6``; the tile shuffles are
-seeded. Measured in benchmarks/RESULTS.md (issue 11, synthetic outliers).
+seeded. Measured on the training side: docs/decisions.md, "Synthetic outliers".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The seed documents' headline claims, each measured on a ``diagnose`` run and judged by a rule
-stated beside it (issue 13). Networks are read by role (see
+stated beside it. Networks are read by role (see
 :class:`training.presets.pipelines.DiagnoseConfig`): ``resnet``, ``lap``, ``plain``, ``unit``.
 
 Input: the diagnostics (training/diagnostics/diagnose.py) and each network's per-epoch metrics (test

@@ -248,10 +248,8 @@ def calibration_clean_scores(
     source), those that are not NaN; and 'validation', the Guard's scores of ``validation``
     (the network's own held-back images, :func:`validation_images`), which neither the network
     nor the detector learnt from. The more images, the tighter the confidence bound, and the
-    closer the threshold to the target FPR: on q28's training side (a validation quarter, three
-    splits) the slice alone landed at 3.13-5.07% clean FPR, with the fitting images at
-    4.07-5.20%; on q40's five splits the validation images moved it from 4.00 to 4.10% on
-    average (benchmarks/RESULTS.md, issue 11)."""
+    closer the threshold to the target FPR (docs/decisions.md, "Calibration sources" and
+    "Validation images in the calibration")."""
     scores = {"slice": _guard_scores(guard, split.calibration(clean)).astype(np.float64)}
     held_out = fitted.score_held_out(split.train(clean))
     if held_out is not None:
@@ -308,7 +306,7 @@ def fit_with_outliers(
     """``unfitted`` fitted on the clean and abnormal rows; with synthetic outliers (an ensemble
     only; their precomputed arrays already added), they train their own family's forests but not
     the pooled ones, which see the attacks only (pooled forests trained on both flag fewer
-    minimal-perturbation images: benchmarks/RESULTS.md)."""
+    minimal-perturbation images: docs/decisions.md, "Synthetic outliers")."""
     if synthetic is None:
         return unfitted.fit_samples(clean, abnormal)
     if not isinstance(unfitted, EnsembleDetector):

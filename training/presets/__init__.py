@@ -44,7 +44,7 @@ _QUICK = {
     "weight_decay": 1e-4,
     "grad_clip": 5.0,
 }
-# The `diagnose` preset's networks (issue 13): quick's schedule on 5,000 training images, with
+# The `diagnose` preset's networks: quick's schedule on 5,000 training images, with
 # the dynamics monitors on; residual vs plain (skip=False), BatchNorm vs unitization, vanilla vs LAP.
 # 5,000 images: on 2 cores shared with other jobs one epoch of 20,000 took 519 s (3 epochs x 4
 # networks would be ~1.7 h); 5,000 keeps the preset within 45 minutes there.

@@ -69,7 +69,7 @@ FEATURE_CANDIDATES = [
 
 # The quick preset's: the residues alone (the baseline) and every candidate with the image group.
 # The five others without it scored 5-10 points below the image group's on the training side of
-# both networks, for the ensemble and for TR, in every quick run (q28-q37); each costs ~6 s per
+# both networks, for the ensemble and for TR, in every quick run measured; each costs ~6 s per
 # network and selecting detector. The full preset offers all of them.
 QUICK_FEATURE_CANDIDATES = [c for c in FEATURE_CANDIDATES if c.image or c == FeatureOptions()]
 
@@ -225,13 +225,13 @@ class PipelineConfig(BaseModel):
 # c = 0.3 instead of 10 from c = 0.01, which spend their first steps doubling c up to where an
 # image is first fooled. Against ART with the seed's parameters on the same 200 images
 # (benchmarks/minimal_attacks.py): success -0.0 / -0.6 points, median L2 -6% / -5% (LAP /
-# vanilla; issue 11's bar: 3 points, 15%), half the cost (0.12 s/image on 2 cores).
+# vanilla), half the cost (0.12 s/image on 2 cores; docs/decisions.md, "Batched CW and DeepFool").
 CPU_CW_PARAMS: dict[str, Any] = {"binary_search_steps": 5, "initial_const": 0.3}
 
 # DeepFool as the CPU presets run it: deepfool-batched towards each image's 3 most likely classes
 # (its prediction and the next two) instead of all 10: one backward pass per candidate and step,
 # and the seed's overshoot (1e-6) takes ~35 steps per image on the quick networks. Measured against
-# ART with the seed's parameters in benchmarks/minimal_attacks.py (RESULTS.md, issue 11).
+# ART with the seed's parameters (docs/decisions.md, "Batched CW and DeepFool").
 CPU_DEEPFOOL_PARAMS: dict[str, Any] = {"nb_grads": 3}
 
 _CPU_NOT_RUN = [
@@ -295,7 +295,7 @@ def _paper_preset(
 
 
 # `full`: quick's fast attacks plus every slow one, for an overnight run on 2 CPU cores. Expected
-# time from the per-image costs in benchmarks/RESULTS.md (2 cores, run alone), both networks:
+# time from the per-image costs in docs/results.md, "Attacks" (2 cores, run alone), both networks:
 #   training 7 min; the FGM/BIM/APGD sets (eps 0.1 and 0.03) ~27 min (quick's measured costs:
 #     BIM 0.038 s/image, APGD as apgd-batched 0.14-0.16 s/image, ART's 0.20-0.25);
 #   CW and DeepFool as cw-batched/deepfool-batched, 1000 images: <= 0.91 h (bounded by ART's CW,
@@ -376,7 +376,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         attacks=[
             AttackRun(key="fgm-eps0.1", attack="fgm", params={"eps": 0.1}, n=10000),
             # eps=0.03 (the seed's budget): ~60-80% succeed. Each slow or small-budget set is sized
-            # for >= 200 successful held-out images with ~10% to spare (q15 kept 183-214 of
+            # for >= 200 successful held-out images with ~10% to spare (one quick run kept 183-214 of
             # 1,250-1,700 images).
             AttackRun(key="fgm-eps0.03", attack="fgm", params={"eps": 0.03}, n=2000),
             AttackRun(key="bim-eps0.03", attack="bim", params={"eps": 0.03}, n=1600),
@@ -420,7 +420,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         ood_train=["fgm-eps0.1", "cw", SYNTHETIC_OOD],
         # The OOD protocol's detectors learn clean from every clean training-side image: with as
         # many as CW's few hundred images, the CW-trained ensemble flagged 8.6% of clean test
-        # images (benchmarks/ood_clean_ratio.py; RESULTS.md, issue 11, session 50).
+        # images (docs/decisions.md, "OOD clean ratio").
         ood_clean_ratio=None,
         ood_n=1000,
         seeds=5,
@@ -430,17 +430,16 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         feature_candidates=QUICK_FEATURE_CANDIDATES,
         selection_detector="ensemble",
         # The transport forests (TR) choose their own set: what the forests alone separate best
-        # is not what the ensemble, with its clean-only parts, does best (RESULTS.md, issue 11).
+        # is not what the ensemble, with its clean-only parts, does best (docs/decisions.md,
+        # "Transport forests choose their own features").
         own_feature_selection=["transport"],
         deploy_detector="ensemble",
         # The shipped ensemble also learns synthetic outliers of 1,800 training-side clean images
-        # (chosen on the training side: benchmarks/RESULTS.md, issue 11, synthetic outliers).
+        # (chosen on the training side: docs/decisions.md, "Synthetic outliers").
         deploy_synthetic_outliers=1800,
         expected_duration=(
             "~54 min on 2 CPU cores, alone (training 9, attacks 18, evaluation 24, deploying"
-            " and reporting 2; 2026-11-29, ~1.16-1.25x the issue's preset, 46:08, on the same"
-            " machine: session 58's pair plus the synthetic OOD experiment's ~2 min, session 59,"
-            " benchmarks/RESULTS.md)"
+            ' and reporting 2; docs/results.md, "Pipeline time")'
         ),
         not_run=_CPU_NOT_RUN,
     ),
