@@ -16,7 +16,7 @@ from training.attacks.sets import attack_run
 from training.cli.main import main as cli_main
 from training.diagnostics import diagnose
 from training.reporting.report import dynamics_section, refresh_report
-from training.rundir import RunDir
+from training.rundir import NETWORKS_FIGURE, RunDir
 from training.trainer.config import TrainConfig
 from training.trainer.loop import train
 from training.trainer.probes import fit_linear_probe
@@ -150,7 +150,7 @@ def test_diagnostics_are_cached_and_refreshed_when_inputs_change(
     changed = diagnose.diagnose_run(tiny_run, options=fewer, root=data_root, progress=False)
     assert changed["networks"]["a"]["sets"]["clean"]["n"] == 20
     assert set(changed["networks"]["a"]["sets"]) == {"clean"}
-    assert (RunDir(tiny_run).figures / diagnose.NETWORKS_FIGURE).is_file()
+    assert (RunDir(tiny_run).figures / NETWORKS_FIGURE).is_file()
     # no results.json: the run's report is the dynamics section alone
     assert refresh_report(tiny_run) == RunDir(tiny_run).report_file
     assert "## Network dynamics" in RunDir(tiny_run).report_file.read_text()

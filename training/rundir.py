@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from detector import artefacts
+from detector.bundle import MANIFEST_FILE as BUNDLE_MANIFEST
 from detector.errors import ArtefactError
 from detector.networks import CONFIG_FILE as NETWORK_CONFIG_FILE
 from detector.networks import WEIGHTS_FILE
@@ -58,6 +59,12 @@ ADAPTIVE_ROW_FILE = "row.json"  # one per attack folder: adaptive/<model>/<targe
 DEPLOYABLE_FILE = "deployable.json"  # in detector/: the deployable detector's summary
 HELDOUT_SCORES_FILE = "heldout_scores.npz"  # in detector/: its held-out scores
 DIAGNOSE_CONFIG_FILE = "diagnose_config.json"  # the `diagnose` preset's config, in its run
+# figures/: the report's fixed figures (per-detector and per-set figures: RunDir's methods)
+LEARNING_CURVE_FIGURE = "learning_curve.png"
+OPERATING_POINTS_FIGURE = "operating_points.png"
+ADAPTIVE_FIGURE = "adaptive_evasion.png"
+NETWORKS_FIGURE = "dynamics_networks.png"
+ATTACKS_FIGURE = "dynamics_attacks.png"
 
 TRAIN_CONFIG_FILE = "train_config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -183,6 +190,20 @@ class RunDir:
     @property
     def detector_dir(self) -> Path:
         return self.path / DETECTOR_DIR
+
+    def roc_figure(self, detector: str, setting: str) -> Path:
+        return self.figures / f"roc_{detector}_{setting}.png"
+
+    def transport_histogram_figure(self, kind: str) -> Path:
+        return self.figures / f"transport_hist_{kind}.png"
+
+    def trajectories_figure(self, kind: str) -> Path:
+        return self.figures / f"trajectories_{kind}.png"
+
+    @property
+    def bundle_manifest(self) -> Path:
+        """The bundle's manifest: it exists once the bundle is written."""
+        return self.bundle / BUNDLE_MANIFEST
 
     @property
     def deployable_file(self) -> Path:

@@ -149,7 +149,7 @@ class BundleSwitcher(threading.Thread):
         if self.stopping.is_set():
             return
         bundle = self.pipeline.run.bundle
-        if code != 0 or not (bundle / "manifest.json").is_file():
+        if code != 0 or not self.pipeline.run.bundle_manifest.is_file():
             self.say(
                 f"the {self.pipeline.preset} pipeline stopped (exit status {code}); the served "
                 f"bundle stays; see {self.pipeline.log}"

@@ -131,7 +131,7 @@ def is_finished(run: Path) -> bool:
     """Whether ``run`` holds a finished pipeline run: its bundle is written and no progress file
     says a run is under way or failed there (runs from before progress files have none)."""
     layout = RunDir(run)
-    if not (layout.bundle / "manifest.json").is_file():
+    if not layout.bundle_manifest.is_file():
         return False
     try:
         return bool(read_json(layout.progress_file)["state"] == "done")
@@ -193,7 +193,7 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Non
     samples = prepare_demo(first, first_run, root=options.root)
     say("\n".join(demo_instructions(first_run, samples, options.port)))
     settings = demo_settings(
-        first_run / "bundle", options.port, progress_file=final_run / "progress.json"
+        RunDir(first_run).bundle, options.port, progress_file=RunDir(final_run).progress_file
     )
     _serve_while_building(settings, options, final_run, started, say)
 

@@ -37,7 +37,7 @@ from training.evaluation.context import perturbed
 from training.plots import plot_block_curves
 from training.presets import get_train_preset
 from training.presets.pipelines import NOT_COMPUTED, DiagnoseConfig
-from training.rundir import RunDir
+from training.rundir import ATTACKS_FIGURE, NETWORKS_FIGURE, RunDir
 from training.trainer.loop import train
 from training.trainer.probes import fit_probes
 
@@ -339,8 +339,6 @@ MEASURES = {
     "ots_block": "OTS of block m (seed 001)",
     "w_layers": "W(layer m, target) (seed 000)",
 }
-NETWORKS_FIGURE = "dynamics_networks.png"
-ATTACKS_FIGURE = "dynamics_attacks.png"
 
 
 def dynamics_figures(result: Mapping[str, Any], figures: Path) -> dict[str, Path]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from training.plots import plot_adaptive_evasion
 from training.reporting.tables import MODEL_LABELS, figure_link, markdown_table, order_models
-from training.rundir import RunDir
+from training.rundir import ADAPTIVE_FIGURE, RunDir
 
 HEADER = (
     "Network",
@@ -143,7 +143,7 @@ def adaptive_section(results: Mapping[str, Any], run_dir: Path | None = None) ->
     ]
     if run_dir is not None:
         figure = plot_adaptive_evasion(
-            _by_column(rows), _column, RunDir(run_dir).figures / "adaptive_evasion.png"
+            _by_column(rows), _column, RunDir(run_dir).figures / ADAPTIVE_FIGURE
         )
         caption = "Evasion rate per adaptive attack, network and target"
         comparison += figure_link(Path(run_dir), figure, caption)

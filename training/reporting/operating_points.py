@@ -12,9 +12,8 @@ from typing import Any
 from training.evaluation.deployable import is_offered
 from training.plots import plot_operating_points
 from training.reporting.tables import OOD_PREFIX, figure_link, markdown_table, order_sets, set_label
-from training.rundir import RunDir
+from training.rundir import OPERATING_POINTS_FIGURE, RunDir
 
-FIGURE = "operating_points.png"
 NOTE = (
     "The shipped detector and its calibration's clean scores, calibrated again at each target "
     "false-positive rate the bundle offers (with the same confidence bound). Nothing is refitted: "
@@ -50,7 +49,7 @@ def operating_points_section(run_dir: Path, info: Mapping[str, Any] | None) -> l
     ]
     figure = plot_operating_points(
         {set_label(key): _curve(offered, key) for key in sets},
-        RunDir(run_dir).figures / FIGURE,
+        RunDir(run_dir).figures / OPERATING_POINTS_FIGURE,
         served=_served_fpr(points, served),
         title="Deployed detector: what each offered operating point flags",
     )

@@ -33,9 +33,7 @@ from detector.calibration import rate_interval
 from detector.errors import ArtefactError
 from training.data.synthetic_outliers import SYNTHETIC_OOD
 from training.diagnostics.diagnose import (
-    ATTACKS_FIGURE,
     CLAIMS_HEADER,
-    NETWORKS_FIGURE,
     SUMMARY_HEADER,
     claim_rows,
     summary_rows,
@@ -51,7 +49,6 @@ from training.reporting.feature_selection import feature_selection_section
 from training.reporting.operating_points import operating_points_section
 from training.reporting.tables import (
     CLEAN,
-    LEARNING_CURVE_FIGURE,
     MODEL_LABELS,
     NOT_RUN,
     OOD_PREFIX,
@@ -76,7 +73,12 @@ from training.reporting.tables import (
     set_label,
     set_rank,
 )
-from training.rundir import RunDir
+from training.rundir import (
+    ATTACKS_FIGURE,
+    LEARNING_CURVE_FIGURE,
+    NETWORKS_FIGURE,
+    RunDir,
+)
 from training.timings import grouped_minutes, read_timings, step_seconds
 
 # ---- sections ---------------------------------------------------------------------------------
@@ -929,7 +931,7 @@ def roc_figures(
                 }
             title = f"{detector_label(detector)} ({detector}), {setting}"
             path = plot_roc_curves(
-                panels, RunDir(run_dir).figures / f"roc_{detector}_{setting}.png", title=title
+                panels, RunDir(run_dir).roc_figure(detector, setting), title=title
             )
             lines += figure_link(
                 run_dir, path, f"ROC curves: {detector} detector, {setting} setting (first seed)"
@@ -961,7 +963,7 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
         }
         hist = plot_transport_histograms(
             costs,
-            RunDir(run_dir).figures / f"transport_hist_{kind}.png",
+            RunDir(run_dir).transport_histogram_figure(kind),
             clean=set_label(CLEAN),
             title=f"Transport cost, clean vs {kind} (dashed: clean 0.02 / 0.98 quantiles)",
         )
@@ -970,7 +972,7 @@ def feature_figures(run_dir: Path, models: Sequence[str]) -> list[str]:
         )
         traj = plot_feature_trajectories(
             chosen,
-            RunDir(run_dir).figures / f"trajectories_{kind}.png",
+            RunDir(run_dir).trajectories_figure(kind),
             clean=set_label(CLEAN),
             title=f"Per-block features, clean vs {kind} (mean ± std)",
         )

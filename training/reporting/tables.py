@@ -20,7 +20,6 @@ from training.rundir import RunDir
 NOT_RUN = "not run"
 CLEAN = "clean"
 OOD_PREFIX = "ood-"
-LEARNING_CURVE_FIGURE = "learning_curve.png"
 MODEL_ORDER = ("vanilla", "rce", "lap")
 MODEL_LABELS = {"vanilla": "VAN", "lap": "LAP", "rce": "RCE"}
 DETECTOR_ORDER = ("transport", "ensemble", "novelty", "mahalanobis", "nss", "quantile")
