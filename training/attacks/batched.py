@@ -19,6 +19,7 @@ own prediction).
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -163,6 +164,15 @@ class _CWState:
             self.overall_success |= self.success
 
 
+class _CWSettings(TypedDict):
+    learning_rate: float
+    binary_search_steps: int
+    max_iter: int
+    initial_const: float
+    max_halving: int
+    max_doubling: int
+
+
 class CarliniL2:
     """Untargeted Carlini & Wagner L2 against true labels ``y``: ART's CarliniL2Method on one
     batch, with one backward pass per step. ``CarliniL2(model, x, y, ...).run()`` -> adversarial x."""
@@ -189,7 +199,7 @@ class CarliniL2:
         self.learning_rate = learning_rate
         self.max_halving = max_halving
         self.max_doubling = max_doubling
-        self.settings = {
+        self.settings: _CWSettings = {
             "learning_rate": learning_rate,
             "binary_search_steps": binary_search_steps,
             "max_iter": max_iter,

@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -756,9 +756,11 @@ def _build_autoattack(runner: AttackRunner, p: AutoAttackParams) -> RunFn:
     network = runner.model if (low, high) == (0.0, 1.0) else _UnitRange(runner.model, low, high)
 
     def run(x: np.ndarray, y: np.ndarray, seed: int) -> np.ndarray:
+        # set with version 'custom' (_check_version requires them)
+        custom = cast("list[AutoAttackName]", p.attacks)
         attack = AutoAttack(
             network,
-            attacks=list(p.attacks) if p.version == "custom" else None,
+            attacks=list(custom) if p.version == "custom" else None,
             device=runner.device,
             eps=p.eps / scale,
             norm=p.norm,

@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -461,10 +461,12 @@ def _plan_set(
     resolved = make_attack_params(attack, params)
     if workers < 1:
         raise ConfigError(f"workers must be at least 1, got {workers}")
-    model_dir, net = None, model
+    model_dir: Path | None = None
     if isinstance(model, (str, Path)):
         model_dir = Path(model)
         net = networks.load(model_dir, device="cpu")
+    else:
+        net = model
     x, y = check_inputs(net, x, y)
     indices = np.asarray(indices)
     if indices.shape != (len(x),) or not np.issubdtype(indices.dtype, np.integer):
@@ -790,9 +792,10 @@ def attack_images(
         raise ArtefactError(f"cannot read the data set name from {config_path}: {error}") from error
     dataset = load_dataset(dataset_name, split, root=root)
     chosen = subset(dataset, n, seed)
+    assert isinstance(dataset, Sized)  # torchvision's data sets and Subset have a length
     indices = np.asarray(
         chosen.indices if isinstance(chosen, Subset) else range(len(dataset)), dtype=np.int64
-    )  # type: ignore[arg-type]
+    )
     x, y = to_arrays(dataset, n, seed=seed)
     return x, y, indices
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -55,6 +55,7 @@ def _run_data(args: argparse.Namespace) -> int:
         print(f"Fashion-MNIST ready in {prepare_fashion_mnist(args.root)}")
     for split in ("train", "test"):
         dataset = load_dataset(args.dataset, split, root=args.root, download=args.download)
+        assert isinstance(dataset, Sized)  # torchvision's data sets have a length
         print(f"{args.dataset} {split}: {len(dataset)} images")
     return 0
 

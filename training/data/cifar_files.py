@@ -66,7 +66,8 @@ class _UnverifiedCIFAR(datasets.CIFAR10):
             self.download()
         if not self._check_integrity():
             raise RuntimeError("Dataset not found or corrupted")
-        data, targets = [], []
+        data: list[np.ndarray] = []
+        targets: list[int] = []
         for file_name, _ in self.train_list if train else self.test_list:
             path = Path(self.root) / self.base_folder / file_name
             entry = read_batch(path)

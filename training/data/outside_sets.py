@@ -44,7 +44,8 @@ def _letter(side: int, rng: np.random.Generator) -> np.ndarray:
     image, draw = _canvas(side)
     font = ImageFont.load_default(size=int(rng.integers(side // 2, side - side // 8)))
     letter = chr(ord("A") + int(rng.integers(26)))
-    left, top, right, bottom = draw.textbbox((0, 0), letter, font=font)
+    # ints: the bitmap and FreeType fonts' boxes at an integer origin (typed float)
+    left, top, right, bottom = map(int, draw.textbbox((0, 0), letter, font=font))
     x = rng.integers(0, max(1, side - (right - left))) - left
     y = rng.integers(0, max(1, side - (bottom - top))) - top
     draw.text((int(x), int(y)), letter, fill=int(rng.integers(128, 256)), font=font)

@@ -96,7 +96,7 @@ def select_features(
     is_validation = np.zeros(universe, bool)
     is_validation[order[: int(round(len(order) * VALIDATION_FRACTION))]] = True
     is_fit = training_side & ~is_validation
-    rows = []
+    rows: list[dict[str, Any]] = []
     for spec in candidates:
         columns = spec_columns(spec, names)
         scores = _candidate_scores(columns, names, clean, attacks, is_fit, is_validation, detector)

@@ -90,7 +90,7 @@ class Samples:
 def concat(parts: Sequence[Samples], name: str = "mixed") -> Samples:
     success = None
     if all(p.success is not None for p in parts):
-        success = np.concatenate([p.success for p in parts])  # type: ignore[misc]
+        success = np.concatenate([p.success for p in parts])
     shared = set.intersection(*(set(p.extra) for p in parts)) if parts else set()
     families = None
     if any(p.families is not None for p in parts):

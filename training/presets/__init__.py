@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from detector.errors import ConfigError
 from training.trainer.config import LapSettings, MonitorSettings, TrainConfig
 
@@ -48,8 +50,8 @@ _QUICK = {
 # the dynamics monitors on; residual vs plain (skip=False), BatchNorm vs unitization, vanilla vs LAP.
 # 5,000 images: on 2 cores shared with other jobs one epoch of 20,000 took 519 s (3 epochs x 4
 # networks would be ~1.7 h); 5,000 keeps the preset within 45 minutes there.
-_DIAGNOSE = {**_QUICK, "train_subset": 5000, "monitors": MonitorSettings()}
-_DIAGNOSE_VARIANTS = {
+_DIAGNOSE: dict[str, Any] = {**_QUICK, "train_subset": 5000, "monitors": MonitorSettings()}
+_DIAGNOSE_VARIANTS: dict[str, dict[str, Any]] = {
     "diagnose-resnet-vanilla": {},
     "diagnose-resnet-lap": {"objective": "lap"},
     "diagnose-plain-vanilla": {"arguments": {"skip": False}},

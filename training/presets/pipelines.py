@@ -24,7 +24,7 @@ class FeatureOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     embeddings: bool = False
-    extra_directions: int = Field(0, ge=0, le=64)
+    extra_directions: int = Field(default=0, ge=0, le=64)
     line_shape: bool = False
     head: bool = False
     start: bool = False
@@ -111,32 +111,33 @@ class PipelineConfig(BaseModel):
     # (training/data/synthetic_outliers.py), the seed's OOD experiment trained on another distribution.
     ood_train: list[str] = Field(default_factory=list)
     ood_test: list[str] = Field(default_factory=lambda: ["digits", "noise"])
-    ood_n: int = Field(1000, ge=10)
-    seeds: int = Field(5, ge=1)
-    test_fraction: float = Field(0.1, gt=0, lt=1)
+    ood_n: int = Field(default=1000, ge=10)
+    seeds: int = Field(default=5, ge=1)
+    test_fraction: float = Field(default=0.1, gt=0, lt=1)
     noisy_copies: bool = (
         False  # add uniformly noised clean copies (labelled clean) to detector training
     )
     # Up to this many clean training rows per abnormal row in the OOD protocol (1: the seed's
     # balanced sets; None: every clean image of the training side).
-    ood_clean_ratio: float | None = Field(1.0, ge=1, allow_inf_nan=False)
-    mahalanobis_clean_n: int = Field(5000, ge=100)  # training images for class means and covariance
+    ood_clean_ratio: float | None = Field(default=1.0, ge=1, allow_inf_nan=False)
+    # training images for class means and covariance
+    mahalanobis_clean_n: int = Field(default=5000, ge=100)
     # Input pre-processing magnitudes tried (chosen on the training side); Lee et al.'s list by default.
     mahalanobis_magnitudes: list[float] = Field(
         default_factory=lambda: [0.0, 0.0005, 0.001, 0.0014, 0.002, 0.005, 0.01]
     )
-    target_fpr: float = Field(0.05, gt=0, lt=1)
+    target_fpr: float = Field(default=0.05, gt=0, lt=1)
     # The deployed threshold keeps FPR <= target_fpr on new clean images with this probability
     # (a Clopper-Pearson bound on its calibration images; None: the point estimate, which new
     # images exceed about half the time).
-    calibration_confidence: float | None = Field(0.95, gt=0, lt=1)
+    calibration_confidence: float | None = Field(default=0.95, gt=0, lt=1)
     deploy_model: str = "lap"
     deploy_attacks: list[str] | None = (
         None  # attack keys the deployed detector is trained on (default: all)
     )
     # Synthetic outliers (training/data/synthetic_outliers.py) the deployed ensemble also learns, as
     # one more family beside the attacks: made from this many training-side clean images (0: none).
-    deploy_synthetic_outliers: int = Field(0, ge=0)
+    deploy_synthetic_outliers: int = Field(default=0, ge=0)
     # Attack keys whose learning curve (seen-setting accuracy of the transport detector on the
     # deploy network vs the number of training pairs) the evaluation measures.
     learning_curve_attacks: list[str] = Field(default_factory=list)
@@ -482,9 +483,9 @@ class DiagnoseConfig(BaseModel):
 
     name: str
     models: dict[str, str]
-    n: int = Field(1000, ge=2)
-    probe_n: int = Field(2000, ge=10)
-    ots_n: int = Field(500, ge=2)
+    n: int = Field(default=1000, ge=2)
+    probe_n: int = Field(default=2000, ge=10)
+    ots_n: int = Field(default=500, ge=2)
     expected_duration: str | None = None
     device: str = "auto"
 

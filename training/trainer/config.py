@@ -19,9 +19,9 @@ class LapSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lambda0: float = Field(1.0, gt=0)
-    tau: float = Field(1.0, ge=0)
-    every: int = Field(1, ge=1)
+    lambda0: float = Field(default=1.0, gt=0)
+    tau: float = Field(default=1.0, ge=0)
+    every: int = Field(default=1, ge=1)
 
 
 class MonitorSettings(BaseModel):
@@ -31,9 +31,9 @@ class MonitorSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    probe_images: int = Field(1000, ge=10)
-    eval_images: int = Field(500, ge=2)
-    ics_images: int = Field(256, ge=2)
+    probe_images: int = Field(default=1000, ge=10)
+    eval_images: int = Field(default=500, ge=2)
+    ics_images: int = Field(default=256, ge=2)
 
 
 class TrainConfig(BaseModel):

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -241,6 +241,11 @@ def train_and_validation_sets(config: TrainConfig, full_train: Dataset) -> tuple
     return train_set, val_set
 
 
+class _LoaderOptions(TypedDict):
+    batch_size: int
+    num_workers: int
+
+
 def _loaders(
     config: TrainConfig, root: str | Path | None, world_size: int = 1
 ) -> tuple[DataLoader, DataLoader, DataLoader, list[str]]:
@@ -252,19 +257,22 @@ def _loaders(
         config.test_subset,
         config.seed,
     )
-    common = {"batch_size": config.batch_size, "num_workers": config.num_workers}
+    common: _LoaderOptions = {"batch_size": config.batch_size, "num_workers": config.num_workers}
     generator = torch.Generator().manual_seed(config.seed)
     if world_size > 1:  # this rank's share of the seeded order (seed * 1000 + epoch, set per epoch)
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[int] = DistributedSampler(
             train_set, shuffle=True, seed=config.seed * 1000, drop_last=False
         )
-        per_rank = dict(common, batch_size=math.ceil(config.batch_size / world_size))
+        per_rank: _LoaderOptions = {
+            **common,
+            "batch_size": math.ceil(config.batch_size / world_size),
+        }
         train_loader = DataLoader(train_set, sampler=sampler, drop_last=False, **per_rank)
     else:
         train_loader = DataLoader(
             train_set, shuffle=True, drop_last=False, generator=generator, **common
         )
-    eval_common = dict(common, batch_size=max(config.batch_size, 256))
+    eval_common: _LoaderOptions = {**common, "batch_size": max(config.batch_size, 256)}
     return (
         train_loader,
         DataLoader(val_set, **eval_common),
@@ -367,7 +375,7 @@ def _run_epoch(
     if isinstance(train_loader.sampler, DistributedSampler):
         train_loader.sampler.set_epoch(epoch)
     else:
-        train_loader.generator.manual_seed(config.seed * 1000 + epoch)  # type: ignore[union-attr]
+        train_loader.generator.manual_seed(config.seed * 1000 + epoch)
     started = time.perf_counter()
     step_log: list[dict[str, Any]] = []
     train_metrics = train_one_epoch(
