@@ -95,3 +95,33 @@ def test_the_words_check_finds_process_words(line: str) -> None:
 def test_the_words_check_leaves_the_products_own_words() -> None:
     for line in ("an HTTP session", "a progress bar", "issues a request", "/v1/predict"):
         assert not PROCESS_WORDS.search(line) and not MACHINE_PATHS.search(line)
+
+
+# The serve-only install (`pip install '.[serve]'`) has none of the train/attacks extras.
+_WITHOUT_TRAINING_EXTRAS = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class Absent(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"art", "pyautoattack", "matplotlib"}:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, Absent())
+from training.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["serve", "score"])
+def test_serving_commands_run_without_the_training_extras(command: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TRAINING_EXTRAS, command, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"usage: lapguard {command}" in done.stdout

@@ -352,10 +352,10 @@ def _run_pipeline(args: argparse.Namespace) -> int:
 
 def detector_choices() -> list[str]:
     """The names ``lapguard fit --detector`` offers: the registered detectors that can ship."""
-    # lazy: `lapguard serve` and `score` run without the training stack
-    from training.evaluation.deployable import deployable_detectors
+    # lazy: the registry loads torch, which `lapguard --help` does not need
+    from detector.registry import list_detectors
 
-    return deployable_detectors()
+    return list_detectors(servable=True)
 
 
 def _add_run_step(
