@@ -4,8 +4,8 @@ Each attack runs on the first N test images of the seeded order (the same images
 attack and network); sets go to a fresh temporary cache unless --cache is given, so the times are
 generation times. Prints a markdown table. Run alone: other jobs on 2 cores distort timings.
 
-    .venv/bin/python benchmarks/attack_costs.py [--run runs/quick] [--n fgm=1000 cw=100 ...]
-                                               [--param boundary.max_iter=1000 ...]
+    python -m benchmarks.attack_costs [--run runs/quick] [--n fgm=1000 cw=100 ...]
+                                      [--param boundary.max_iter=1000 ...]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a run's shipped bundle flags of attacks the registry does not hold, sent through a live
 server's HTTP API the way an outside judge sends them.
 
-    python benchmarks/attack_probe.py RUN [--n 200] [--attacks pgd-l2-1.0 jsma ...] [--out probe.json]
+    python -m benchmarks.attack_probe RUN [--n 200] [--attacks pgd-l2-1.0 jsma ...] [--out probe.json]
 
 The images: the first ``--n`` held-out test images of the deploy network (the deployed split's
 test side: the bundle never saw them, clean or attacked) that the network classifies right.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ from art.attacks.evasion import (
     SquareAttack,
 )
 
+from benchmarks.ood_probe import served_rows
 from detector import artefacts
 from detector.bundle import read_manifest
 from training.attacks.registry import art_classifier
@@ -42,9 +42,6 @@ from training.evaluation.context import PipelineRun
 from training.evaluation.deployable import SPLIT_SEED
 from training.evaluation.protocols import Split
 from training.reporting.report import markdown_table
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ood_probe import served_rows  # noqa: E402
 
 BATCH = 100
 Build = Callable[[Any], Any]  # ART classifier -> ART attack

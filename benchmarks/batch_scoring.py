@@ -1,7 +1,7 @@
 """Batch-scoring throughput: `lapguard score` on the 10,000 Fashion-MNIST test images, in process and
 through --url, against the in-process Guard at the same batch size, in one run.
 
-    python benchmarks/batch_scoring.py [--bundle runs/quick/bundle] [--fallback-bundle DIR]
+    python -m benchmarks.batch_scoring [--bundle runs/quick/bundle] [--fallback-bundle DIR]
 
 Prints:
   * in-process Guard throughput (``Guard.predict`` on the prepared test set, batch --batch-size),
@@ -28,7 +28,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,12 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.local_server import ROOT, start_server, stop_server
 from detector.guard import Guard
 from training.cli.main import main as cli_main
 from training.data.datasets import default_root, load_dataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import ROOT, start_server, stop_server  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -13,7 +13,7 @@ Repetitions of the things compared are interleaved and medians taken, so backgro
 both alike; still, run it alone: other jobs on the same cores distort timings. Uses the trained
 network in runs/quick/models/lap when it exists, else default-initialized weights.
 
-    .venv/bin/python benchmarks/feature_overhead.py [--repeats 15] [--threads N] [--device auto]
+    python -m benchmarks.feature_overhead [--repeats 15] [--threads N] [--device auto]
 """
 
 from __future__ import annotations

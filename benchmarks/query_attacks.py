@@ -1,4 +1,4 @@
-"""Stateful detection against real query attacks through the HTTP API (issue 12, item 4).
+"""Stateful detection against real query attacks through the HTTP API.
 
 Starts `lapguard serve` on a bundle (query memory in process, action 'flag'), then:
 1. attacks: ART HopSkipJump, Boundary and Square, each run on one correctly classified
@@ -12,7 +12,7 @@ Starts `lapguard serve` on a bundle (query memory in process, action 'flag'), th
    (byte-identical), JPEG q90 re-encodes and 1-pixel crops, in requests of 1-4 images, clients
    interleaved; prints falsely flagged clients and the share of flagged benign queries.
 
-    LAPGUARD_DATA=data .venv/bin/python benchmarks/query_attacks.py --bundle runs/smoke/bundle \
+    LAPGUARD_DATA=data python -m benchmarks.query_attacks --bundle runs/smoke/bundle \
         [--runs 10] [--clients 100] [--images 100]
 
 ``--network DIR`` (a network saved by `lapguard train`) serves that network instead, in a bundle
@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import io
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,10 +35,8 @@ import httpx
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import start_server, stop_server  # noqa: E402
-
-from training.data.datasets import load_dataset, to_arrays  # noqa: E402
+from benchmarks.local_server import start_server, stop_server
+from training.data.datasets import load_dataset, to_arrays
 
 CHUNK = 64  # images per request: the server's max_images_per_request default
 

@@ -1,4 +1,4 @@
-"""The query memory's calibration, bounds and cost (issue 12, items 3-4).
+"""The query memory's calibration, bounds and cost.
 
 Prints:
 1. the benign calibration of the signature (``query_levels``) and of the neighbour rule
@@ -15,7 +15,7 @@ Prints:
    `lapguard serve` processes on the bundle, memory off vs in process with this client's history
    filled with 10,000 clean training images; requests alternate between them (medians of each).
 
-    LAPGUARD_DATA=data .venv/bin/python benchmarks/query_memory.py [--redis redis://127.0.0.1:6379/0]
+    LAPGUARD_DATA=data python -m benchmarks.query_memory [--redis redis://127.0.0.1:6379/0]
         [--bundle runs/smoke/bundle]
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.local_server import start_server, stop_server
 from service.query_memory import (
     InProcessStore,
     QueryEmbedder,
@@ -44,9 +44,6 @@ from service.query_memory import (
 )
 from service.settings import Settings
 from training.data.datasets import load_dataset, to_arrays
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import start_server, stop_server  # noqa: E402
 
 QUANTILES = (0.0001, 0.001, 0.01, 0.05, 0.5)
 LEVELS = (3, 4, 5)

@@ -1,12 +1,12 @@
 """lapguard against the servers a user would otherwise pick, on the same cores, model and load.
 
-    python benchmarks/service_peers.py --bundle runs/quick/bundle [--seconds 15] [--rounds 2]
+    python -m benchmarks.service_peers --bundle runs/quick/bundle [--seconds 15] [--rounds 2]
 
 The same bundle's Guard is served, one server at a time, by
   * lapguard   — ``lapguard serve`` (its ``/v2`` inference route, defaults as shipped);
-  * mlserver   — MLServer, a custom runtime (``peers/mlserver_runtime.py``), adaptive batching on;
+  * mlserver   — MLServer, a custom runtime (:mod:`benchmarks.peers.mlserver_runtime`), adaptive batching on;
   * ray-serve  — Ray Serve, a deployment whose ``@serve.batch`` method runs the Guard;
-  * floor      — a bare ASGI app under the same uvicorn (``peers/floor_app.py``): read the body,
+  * floor      — a bare ASGI app under the same uvicorn (:mod:`benchmarks.peers.floor_app`): read the body,
     decode the PNGs, batch what arrives while the Guard computes, answer; nothing else.
 Every server receives the same Open Inference Protocol body (a BYTES input of base64 PNGs) and
 answers label, flagged and score; the benchmark first checks that each one's answer equals the
@@ -26,22 +26,19 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_servers import SERVERS, PeerServer, ensure_peers_venv  # noqa: E402
-from peers.v2_images import v2_body  # noqa: E402
-from service_throughput import sample_pngs  # noqa: E402
-from wrk_load import ensure_wrk, run_wrk  # noqa: E402
-
-from detector.guard import Guard  # noqa: E402
-from detector.images import decode_image  # noqa: E402
-from service.settings import default_torch_threads, usable_cores  # noqa: E402
+from benchmarks.peer_servers import SERVERS, PeerServer, ensure_peers_venv
+from benchmarks.peers.v2_images import v2_body
+from benchmarks.service_throughput import sample_pngs
+from benchmarks.wrk_load import ensure_wrk, run_wrk
+from detector.guard import Guard
+from detector.images import decode_image
+from service.settings import default_torch_threads, usable_cores
 
 #: (name, concurrent clients, images per request)
 SCENARIOS = (("1 client", 1, 1), ("32 clients", 32, 1), ("4 x 64 images", 4, 64))

@@ -1,6 +1,6 @@
 """Service throughput and latency against the in-process Guard, in one run.
 
-    python benchmarks/service_throughput.py --bundle runs/quick/bundle [--device cpu]
+    python -m benchmarks.service_throughput --bundle runs/quick/bundle [--device cpu]
 
 Prints:
   * in-process Guard throughput (images/s) at each batch size and the best one;
@@ -28,7 +28,6 @@ import io
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,13 +36,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.local_server import start_server, stop_server
+from benchmarks.wrk_load import ensure_wrk, run_wrk
 from detector.features import extract_features
 from detector.guard import Guard
 from detector.images import decode_image
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import start_server, stop_server  # noqa: E402
-from wrk_load import ensure_wrk, run_wrk  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,10 +1,10 @@
 """Soak: a real server under a steady mix of valid, invalid and oversized requests for minutes,
-then a graceful stop (SIGTERM) while the clients are still sending (issue 15, item 4).
+then a graceful stop (SIGTERM) while the clients are still sending.
 
-    python benchmarks/soak.py --bundle runs/q12/bundle [--minutes 10] [--clients 32] [--out DIR]
+    python -m benchmarks.soak --bundle runs/q12/bundle [--minutes 10] [--clients 32] [--out DIR]
 
 A benchmark, not a test: it reports, it does not assert. `lapguard serve` runs in a subprocess on
-127.0.0.1 (``benchmarks/local_server.py``); ``--clients`` keep-alive connections each send one
+127.0.0.1 (:mod:`benchmarks.local_server`); ``--clients`` keep-alive connections each send one
 request after another, drawn from a seeded mix (:data:`MIX`): single-image PNG multipart
 ``POST /v1/predict`` (most), JSON base64, Open Inference Protocol BYTES, and requests that must be
 refused: a corrupt PNG (400), a text part (415), a 0-byte file (400), bad JSON (422) and a body
@@ -24,7 +24,7 @@ listener or a keep-alive connection, not a request the server had accepted. Then
 The load generator is a minimal asyncio HTTP/1.1 client (uvloop when installed) in this process,
 separate from the server: it must see, per request, whether the body was sent before the stop and
 how the connection ended, which ``wrk`` cannot tell. It takes part of the 2 cores, so the rates
-here are not peak rates (see ``service_throughput.py`` for those); this measures correctness over
+here are not peak rates (see :mod:`benchmarks.service_throughput` for those); this measures correctness over
 time. Everything is bounded in time; Ctrl-C stops the server.
 """
 
@@ -41,7 +41,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -50,8 +49,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import start_server, stop_server  # noqa: E402
+from benchmarks.local_server import start_server, stop_server
 
 #: Kind of request -> (share of the requests, expected statuses). 503 is also expected of any
 #: request once the stop has begun (the documented draining answer).
