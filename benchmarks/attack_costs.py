@@ -6,6 +6,7 @@ generation times. Prints a markdown table. Run alone: other jobs on 2 cores dist
 
     python -m benchmarks.attack_costs [--run runs/quick] [--n fgm=1000 cw=100 ...]
                                       [--param boundary.max_iter=1000 ...]
+    python -m benchmarks.attack_costs --run RUN --small --cache DIR   # FGM only, on 8 images
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def _value(raw: str) -> Any:
         return raw
 
 
-def main() -> None:
+#: The attacks of ``--small`` (the one that takes milliseconds an image: the pipeline of a set,
+#: cached and summarized, is what it checks), on :data:`SMALL_N` images each.
+SMALL_ATTACKS, SMALL_N = ("fgm",), 8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--run", type=Path, default=Path("runs/quick"), help="run directory with models/"
@@ -64,7 +70,21 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help=f"seconds, not minutes: {', '.join(SMALL_ATTACKS)} on {SMALL_N} images each, 1 thread",
+    )
+    args = parser.parse_args(argv)
+    if args.small:
+        args.threads = args.threads or 1
+        args.only = [a for a in args.only or SMALL_ATTACKS if a in SMALL_ATTACKS]
+        args.n = [*args.n, *(f"{a}={SMALL_N}" for a in args.only)]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 

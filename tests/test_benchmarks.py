@@ -1,0 +1,69 @@
+"""Every maintained benchmark's ``--small`` mode, run in this process on tiny inputs (the smoke
+run's networks and bundle, a few images, a second of load), so that a change in detector/,
+training/ or service/ that breaks a benchmark fails the suite. The assertions read what each one
+prints: its ratio lines are there and their numbers are finite and positive."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import attack_costs, feature_overhead, lap_overhead
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def torch_threads() -> Iterator[None]:
+    """The small modes run torch on one thread; the rest of the suite keeps its count."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def figures(pattern: str, text: str) -> list[float]:
+    """The numbers ``pattern``'s groups capture in ``text`` (it must match)."""
+    found = re.search(pattern, text)
+    assert found is not None, f"no {pattern!r} in:\n{text}"
+    return [float(value) for value in found.groups()]
+
+
+def positive(*values: float) -> bool:
+    return all(math.isfinite(value) and value > 0 for value in values)
+
+
+def test_lap_overhead(data_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lap_overhead.main(["--small"])
+    out = capsys.readouterr().out
+    assert figures(r"images/epoch: (\d+)", out) == [128]
+    assert positive(*figures(r"LAP / vanilla epoch time: ([\d.]+)", out))
+
+
+def test_attack_costs(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    attack_costs.main(["--run", str(smoke_run), "--small", "--cache", str(tmp_path)])
+    out = capsys.readouterr().out
+    table = out[out.index("| network |") :]
+    rows = re.findall(r"^\| (vanilla|lap) \| fgm \| ([\d.]+) \| 8 \| ([\d.]+) \|.*\| ([\d.]+) \|$",
+                      table, re.MULTILINE)  # fmt: skip
+    assert {(network, eps) for network, eps, *_ in rows} == {
+        (network, eps) for network in ("vanilla", "lap") for eps in ("0.03", "0.1")
+    }
+    for _, _, accuracy, seconds in rows:
+        assert 0 <= float(accuracy) <= 1 and positive(float(seconds))
+
+
+def test_feature_overhead(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    feature_overhead.main(["--small", "--network", str(smoke_run / "models" / "lap"),
+                           "--bundle", str(smoke_run / "bundle")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "trained (" in out  # the smoke network, not default-initialized weights
+    assert positive(*figures(r"\[1\] batch 64: .*; ratio wall ([\d.]+), CPU ([\d.]+)", out))
+    assert positive(*figures(r"\[2\] 128 images .* = wall ([\d.]+), CPU ([\d.]+) x", out))
+    assert positive(*figures(r"\[4\] .*: share wall ([\d.]+)%, CPU ([\d.]+)%", out))
+    assert positive(*figures(r"\[5\] bundle .*: share wall ([\d.]+)%.*Guard / plain forward "
+                             r"wall ([\d.]+), CPU ([\d.]+)", out))  # fmt: skip
