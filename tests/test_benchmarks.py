@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import attack_costs, feature_overhead, lap_overhead
+from benchmarks import (
+    attack_costs,
+    attack_probe,
+    feature_overhead,
+    lap_overhead,
+    minimal_attacks,
+    ood_probe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +74,35 @@ def test_feature_overhead(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -
     assert positive(*figures(r"\[4\] .*: share wall ([\d.]+)%, CPU ([\d.]+)%", out))
     assert positive(*figures(r"\[5\] bundle .*: share wall ([\d.]+)%.*Guard / plain forward "
                              r"wall ([\d.]+), CPU ([\d.]+)", out))  # fmt: skip
+
+
+def test_minimal_attacks(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    minimal_attacks.main([str(smoke_run / "models" / "lap"), "--small"])
+    out = capsys.readouterr().out
+    ratios = re.findall(r"^\| (\S+)-batched.* \| ([+-][\d.]+) \| ([\d.na]+) \| ([\d.]+)x \|", out,
+                        re.MULTILINE)  # fmt: skip
+    assert [pair for pair, *_ in ratios] == ["cw", "deepfool", "apgd"]
+    for _, points, l2_ratio, speedup in ratios:
+        assert abs(float(points)) <= 100 and positive(float(l2_ratio), float(speedup))
+    assert "n=2;" in out
+
+
+def test_ood_probe(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ood_probe.main([str(smoke_run / "bundle"), "--small"])
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^\| ([\w-]+) \| 8 \| ([\d.]+) \|", out, re.MULTILINE))
+    assert {"clean", "rot90", "letters", "photos", "constant"} <= set(rows)
+    assert all(0 <= float(flagged) <= 100 for flagged in rows.values())
+    assert positive(*figures(r"held-out clean \(manifest\) \| \| ([\d.]+) \|", out))
+
+
+def test_attack_probe(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    attack_probe.main([str(smoke_run), "--small", "--cache", str(tmp_path)])
+    out = capsys.readouterr().out
+    for name in ("pgd-linf-0.05", "newtonfool"):
+        assert positive(*figures(rf"{name}: success [\d.]+%, ([\d.]+) s/image", out))
+    assert re.search(
+        r"^\| clean \(held-out, classified right\) .*\| +[\d.]+ \|$", out, re.MULTILINE
+    )
+    assert re.search(r"^\| PGD L∞ ε=0\.05.*\| +[\d.]+ \|$", out, re.MULTILINE)
+    assert list(tmp_path.glob("*.npz")), "the attacked images are cached where --cache says"
