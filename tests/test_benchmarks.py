@@ -16,10 +16,12 @@ import torch
 from benchmarks import (
     attack_costs,
     attack_probe,
+    batch_scoring,
     feature_overhead,
     lap_overhead,
     minimal_attacks,
     ood_probe,
+    query_memory,
 )
 
 pytestmark = pytest.mark.slow
@@ -106,3 +108,25 @@ def test_attack_probe(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFix
     )
     assert re.search(r"^\| PGD L∞ ε=0\.05.*\| +[\d.]+ \|$", out, re.MULTILINE)
     assert list(tmp_path.glob("*.npz")), "the attacked images are cached where --cache says"
+
+
+def test_batch_scoring(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    batch_scoring.main(["--bundle", str(smoke_run / "bundle"), "--small"])
+    out = capsys.readouterr().out
+    assert out.count("scored 256, errors 0") == 2  # in process and through --url
+    assert positive(*figures(r"lapguard score / in-process Guard: ([\d.]+)", out))
+    assert positive(*figures(r"lapguard score --url / in-process Guard: ([\d.]+)", out))
+    assert "rows: 0 differ in label or flag" in out
+
+
+def test_query_memory(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    query_memory.main(["--bundle", str(smoke_run / "bundle"), "--small"])
+    out = capsys.readouterr().out
+    for levels in (3, 4, 5):
+        assert f"levels {levels} (covers L-inf eps" in out
+    assert figures(r"PNG resend (\d+)% \(exact (\d+)%\)", out) == [100, 100]
+    assert positive(*figures(r"in-process observe, 300 stored \(clean .*median ([\d.]+) ms", out))
+    served = r"off ([\d.]+) ms, on ([\d.]+) ms, added ([+-][\d.]+) ms"
+    off, on, added = figures(served, out)
+    assert positive(off, on) and math.isfinite(added)
+    assert positive(*figures(r"of those 20 requests: mean ([\d.]+) ms", out))
