@@ -21,6 +21,7 @@ from benchmarks import (
     lap_overhead,
     minimal_attacks,
     ood_probe,
+    query_attacks,
     query_memory,
 )
 
@@ -130,3 +131,12 @@ def test_query_memory(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> No
     off, on, added = figures(served, out)
     assert positive(off, on) and math.isfinite(added)
     assert positive(*figures(r"of those 20 requests: mean ([\d.]+) ms", out))
+
+
+def test_query_attacks(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    query_attacks.main(["--bundle", str(smoke_run / "bundle"), "--small"])
+    out = capsys.readouterr().out
+    detected, runs = figures(r"square: (\d+)/(\d+) runs detected", out)
+    assert runs == 1 and detected <= runs
+    clients, queries = figures(r"benign: (\d+)/2 clients falsely flagged; \d+/(\d+) queries", out)
+    assert clients <= 2 and queries >= 16
