@@ -23,6 +23,7 @@ from benchmarks import (
     ood_probe,
     query_attacks,
     query_memory,
+    service_throughput,
 )
 
 pytestmark = pytest.mark.slow
@@ -140,3 +141,13 @@ def test_query_attacks(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert runs == 1 and detected <= runs
     clients, queries = figures(r"benign: (\d+)/2 clients falsely flagged; \d+/(\d+) queries", out)
     assert clients <= 2 and queries >= 16
+
+
+def test_service_throughput(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    service_throughput.main(["--bundle", str(smoke_run / "bundle"), "--small"])
+    out = capsys.readouterr().out
+    assert positive(*figures(r"in-process best: ([\d.]+) images/s", out))
+    assert positive(*figures(r"detector share at batch 256: ([\d.]+)%", out))
+    assert figures(r"with 4 clients \((\d+) errors\)", out) == [0]
+    assert positive(*figures(r"ratio to in-process best ([\d.]+)", out))
+    assert positive(*figures(r"p50 / in-process single ([\d.]+)", out))
