@@ -19,7 +19,7 @@ from types import TracebackType
 
 import httpx
 
-from benchmarks.local_server import start_server, stop_server
+from benchmarks.local_server import Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What the peers' environment holds (pinned: a figure is only comparable on the same versions).
@@ -63,13 +63,19 @@ class PeerServer:
     name = ""
 
     def __init__(
-        self, bundle: Path, peers_python: Path | None, torch_threads: int | None = None
+        self,
+        bundle: Path,
+        peers_python: Path | None,
+        torch_threads: int | None = None,
+        *,
+        in_process: bool = False,
     ) -> None:
         self.bundle, self.peers_python = bundle.resolve(), peers_python
+        self.in_process = in_process  # lapguard only: in a thread of this process (small mode)
         self.env = {"LAPGUARD_TORCH_THREADS": str(torch_threads)} if torch_threads else {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
+        self.process: Server | None = None
         self.log = tempfile.TemporaryFile(mode="w+", prefix=f"peer-{self.name}-")  # noqa: SIM115
 
     infer_path = "/"
@@ -135,7 +141,9 @@ class Lapguard(PeerServer):
     ready_path = "/readyz"
 
     def __enter__(self) -> PeerServer:
-        self.process, self.url = start_server(self.bundle, flags=[], env=self.env)
+        self.process, self.url = start_server(
+            self.bundle, flags=[], env=self.env, in_process=self.in_process
+        )
         self.infer_path = f"/v2/models/{model_name(self.bundle)}/infer"
         return self
 

@@ -23,6 +23,7 @@ from benchmarks import (
     ood_probe,
     query_attacks,
     query_memory,
+    service_peers,
     service_throughput,
 )
 
@@ -39,7 +40,7 @@ def torch_threads() -> Iterator[None]:
 
 def figures(pattern: str, text: str) -> list[float]:
     """The numbers ``pattern``'s groups capture in ``text`` (it must match)."""
-    found = re.search(pattern, text)
+    found = re.search(pattern, text, re.MULTILINE)
     assert found is not None, f"no {pattern!r} in:\n{text}"
     return [float(value) for value in found.groups()]
 
@@ -151,3 +152,14 @@ def test_service_throughput(smoke_run: Path, capsys: pytest.CaptureFixture[str])
     assert figures(r"with 4 clients \((\d+) errors\)", out) == [0]
     assert positive(*figures(r"ratio to in-process best ([\d.]+)", out))
     assert positive(*figures(r"p50 / in-process single ([\d.]+)", out))
+
+
+def test_service_peers(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """lapguard against the floor only: MLServer and Ray Serve take minutes to install."""
+    service_peers.main(["--bundle", str(smoke_run / "bundle"), "--small"])
+    out = capsys.readouterr().out
+    assert "MLServer and Ray Serve are not run" in out
+    for scenario in ("1 client", "32 clients", "4 x 64 images"):
+        ratio = figures(rf"^- {scenario}: lapguard / floor \(floor x1\) ([\d.]+)$", out)
+        assert positive(*ratio)
+    assert "errors)" not in out  # no failed request on either server
