@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class ThreadServer:
     """The app under uvicorn in a daemon thread of this process, on ``sock``; its forward pass on
-    one torch thread unless ``overrides`` say otherwise (it shares the cores with its caller)."""
+    one torch thread unless ``overrides`` say otherwise (it shares the cores with its caller).
+    It answers what the benchmarks ask of a ``Popen``: ``pid`` (this process), ``poll``,
+    ``send_signal`` (SIGTERM: the server's own graceful exit), ``wait`` and ``kill``."""
 
     def __init__(self, bundle: Path, sock: socket.socket, overrides: dict[str, str]) -> None:
         from service.server import build_server
@@ -36,16 +38,32 @@ class ThreadServer:
             target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
         )
         self.thread.start()
+        self.pid = os.getpid()
 
     def poll(self) -> int | None:
-        """None while it serves (as ``Popen.poll``)."""
-        return None if self.thread.is_alive() else 1
+        """None while it serves, then 0."""
+        return None if self.thread.is_alive() else 0
+
+    def send_signal(self, sig: int) -> None:
+        """SIGTERM or SIGINT: drain in-flight requests, then exit (uvicorn's handler)."""
+        self.server.handle_exit(sig, None)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise subprocess.TimeoutExpired("lapguard serve (thread)", timeout or 0)
+        self.socket.close()
+        return 0
+
+    def kill(self) -> None:
+        """uvicorn's forced exit: stop waiting for in-flight requests."""
+        self.server.force_exit = True
+        self.server.should_exit = True
 
     def stop(self) -> None:
         """What SIGTERM does: drain in-flight requests, then exit."""
-        self.server.handle_exit(signal.SIGTERM, None)
-        self.thread.join(timeout=30)
-        self.socket.close()
+        self.send_signal(signal.SIGTERM)
+        self.wait(timeout=30)
 
 
 Server = subprocess.Popen | ThreadServer

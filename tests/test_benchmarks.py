@@ -25,6 +25,7 @@ from benchmarks import (
     query_memory,
     service_peers,
     service_throughput,
+    soak,
 )
 
 pytestmark = pytest.mark.slow
@@ -163,3 +164,15 @@ def test_service_peers(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> N
         ratio = figures(rf"^- {scenario}: lapguard / floor \(floor x1\) ([\d.]+)$", out)
         assert positive(*ratio)
     assert "errors)" not in out  # no failed request on either server
+
+
+def test_soak(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    soak.main(["--bundle", str(smoke_run / "bundle"), "--small", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    requests, rate = figures(r"^(\d+) requests before the stop \(([\d.]+)/s\)", out)
+    assert positive(requests, rate)
+    unexpected = re.findall(r"^(?:png|json_b64|v2_bytes|bad_json) +\d+ +\d+ +(\d+) ", out,
+                            re.MULTILINE)  # fmt: skip
+    assert unexpected == ["0"] * 4  # every valid request answered 200, bad JSON 422
+    assert "PASS  no 5xx" in out and "PASS  0 lost on a graceful stop" in out
+    assert (tmp_path / "soak.json").is_file() and (tmp_path / "soak.png").is_file()
