@@ -118,6 +118,22 @@ def disagreements(a: Path, b: Path) -> tuple[int, float]:
     return differ, gap
 
 
+def served_score(
+    args: argparse.Namespace, bundle: Path, common: list[str], out: Path
+) -> tuple[float, str]:
+    """`lapguard score --url` against a server of ``bundle``: (the best throughput of
+    ``--repeat`` runs, its summary)."""
+    process, url = start_local_server(args, bundle)
+    try:
+        url_argv = [
+            "--url", url, *common, "--batch-size", str(args.url_batch_size),
+            "--concurrency", str(args.concurrency), "--timeout", "60",
+        ]  # fmt: skip
+        return max(run_score(url_argv, out) for _ in range(args.repeat))
+    finally:
+        stop_server(process)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     bundle = args.bundle
@@ -138,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     test = load_dataset("fashion-mnist", "test", root=root)
-    x = guard.prepare(np.asarray(test.data[: args.n]))  # the 10,000 test images, prepared once
+    x = guard.prepare(np.asarray(test.data[: args.n]))  # the test images (--n), prepared once
     common = ["--dataset", "fashion-mnist", "--root", str(root)]
     common += ["--n", str(args.n)] if args.n else []
     with tempfile.TemporaryDirectory(prefix="batch-scoring-") as tmp:
@@ -172,16 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         del guard
 
-        process, url = start_local_server(args, bundle)
-        try:
-            url_argv = [
-                "--url", url, *common, "--batch-size", str(args.url_batch_size),
-                "--concurrency", str(args.concurrency), "--timeout", "60",
-            ]  # fmt: skip
-            remote = [run_score(url_argv, remote_out) for _ in range(args.repeat)]
-        finally:
-            stop_server(process)
-        remote_rate, remote_summary = max(remote)
+        remote_rate, remote_summary = served_score(args, bundle, common, remote_out)
         print(
             f"`lapguard score --url` against `lapguard serve` on 127.0.0.1 "
             f"({args.url_batch_size} images/request, concurrency {args.concurrency}, best of {args.repeat}):"
