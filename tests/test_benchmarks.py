@@ -1,7 +1,8 @@
 """Every maintained benchmark's ``--small`` mode, run in this process on tiny inputs (the smoke
 run's networks and bundle, a few images, a second of load), so that a change in detector/,
 training/ or service/ that breaks a benchmark fails the suite. The assertions read what each one
-prints: its ratio lines are there and their numbers are finite and positive."""
+prints: its ratio lines are there and their numbers are finite and positive. The tests that read
+the smoke run are marked slow, as every reader of it is."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from benchmarks import (
     soak,
 )
 
-pytestmark = pytest.mark.slow
+BENCHMARKS = Path(attack_costs.__file__).parent
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +58,7 @@ def test_lap_overhead(data_root: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert positive(*figures(r"LAP / vanilla epoch time: ([\d.]+)", out))
 
 
+@pytest.mark.slow
 def test_attack_costs(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     attack_costs.main(["--run", str(smoke_run), "--small", "--cache", str(tmp_path)])
     out = capsys.readouterr().out
@@ -70,6 +72,7 @@ def test_attack_costs(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFix
         assert 0 <= float(accuracy) <= 1 and positive(float(seconds))
 
 
+@pytest.mark.slow
 def test_feature_overhead(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     feature_overhead.main(["--small", "--network", str(smoke_run / "models" / "lap"),
                            "--bundle", str(smoke_run / "bundle")])  # fmt: skip
@@ -82,6 +85,7 @@ def test_feature_overhead(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -
                              r"wall ([\d.]+), CPU ([\d.]+)", out))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_minimal_attacks(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     minimal_attacks.main([str(smoke_run / "models" / "lap"), "--small"])
     out = capsys.readouterr().out
@@ -93,6 +97,7 @@ def test_minimal_attacks(smoke_run: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "n=2;" in out
 
 
+@pytest.mark.slow
 def test_ood_probe(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ood_probe.main([str(smoke_run / "bundle"), "--small"])
     out = capsys.readouterr().out
@@ -102,6 +107,7 @@ def test_ood_probe(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert positive(*figures(r"held-out clean \(manifest\) \| \| ([\d.]+) \|", out))
 
 
+@pytest.mark.slow
 def test_attack_probe(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     attack_probe.main([str(smoke_run), "--small", "--cache", str(tmp_path)])
     out = capsys.readouterr().out
@@ -114,6 +120,7 @@ def test_attack_probe(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFix
     assert list(tmp_path.glob("*.npz")), "the attacked images are cached where --cache says"
 
 
+@pytest.mark.slow
 def test_batch_scoring(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     batch_scoring.main(["--bundle", str(smoke_run / "bundle"), "--small"])
     out = capsys.readouterr().out
@@ -123,6 +130,7 @@ def test_batch_scoring(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "rows: 0 differ in label or flag" in out
 
 
+@pytest.mark.slow
 def test_query_memory(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     query_memory.main(["--bundle", str(smoke_run / "bundle"), "--small"])
     out = capsys.readouterr().out
@@ -136,6 +144,7 @@ def test_query_memory(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert positive(*figures(r"of those 20 requests: mean ([\d.]+) ms", out))
 
 
+@pytest.mark.slow
 def test_query_attacks(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     query_attacks.main(["--bundle", str(smoke_run / "bundle"), "--small"])
     out = capsys.readouterr().out
@@ -145,6 +154,7 @@ def test_query_attacks(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert clients <= 2 and queries >= 16
 
 
+@pytest.mark.slow
 def test_service_throughput(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     service_throughput.main(["--bundle", str(smoke_run / "bundle"), "--small"])
     out = capsys.readouterr().out
@@ -155,6 +165,7 @@ def test_service_throughput(smoke_run: Path, capsys: pytest.CaptureFixture[str])
     assert positive(*figures(r"p50 / in-process single ([\d.]+)", out))
 
 
+@pytest.mark.slow
 def test_service_peers(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """lapguard against the floor only: MLServer and Ray Serve take minutes to install."""
     service_peers.main(["--bundle", str(smoke_run / "bundle"), "--small"])
@@ -166,6 +177,7 @@ def test_service_peers(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "errors)" not in out  # no failed request on either server
 
 
+@pytest.mark.slow
 def test_soak(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     soak.main(["--bundle", str(smoke_run / "bundle"), "--small", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -176,3 +188,20 @@ def test_soak(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert unexpected == ["0"] * 4  # every valid request answered 200, bad JSON 422
     assert "PASS  no 5xx" in out and "PASS  0 lost on a graceful stop" in out
     assert (tmp_path / "soak.json").is_file() and (tmp_path / "soak.png").is_file()
+
+
+MAINTAINED = (
+    "attack_costs", "attack_probe", "batch_scoring", "feature_overhead", "lap_overhead",
+    "minimal_attacks", "ood_probe", "query_attacks", "query_memory", "service_peers",
+    "service_throughput", "soak",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MAINTAINED)
+def test_benchmark_runs_as_a_module_with_a_small_mode(name: str) -> None:
+    """Its docstring gives the module command, it has a --small mode, and nothing in benchmarks/
+    edits sys.path (they import each other as benchmarks.X)."""
+    source = (BENCHMARKS / f"{name}.py").read_text()
+    assert f"python -m benchmarks.{name} " in source.split('"""')[1]
+    assert '"--small"' in source and "def main(argv: list[str] | None = None)" in source
+    assert not [p for p in BENCHMARKS.rglob("*.py") if "sys.path" in p.read_text()]
