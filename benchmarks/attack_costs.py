@@ -47,8 +47,8 @@ def _value(raw: str) -> Any:
         return raw
 
 
-#: The attacks of ``--small`` (the one that takes milliseconds an image: the pipeline of a set,
-#: cached and summarized, is what it checks), on :data:`SMALL_N` images each.
+#: ``--small`` runs FGM alone (milliseconds an image: what it checks is how a set is generated,
+#: cached and summarized, not the attacks' costs), on :data:`SMALL_N` images each.
 SMALL_ATTACKS, SMALL_N = ("fgm",), 8
 
 

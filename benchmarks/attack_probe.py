@@ -1,7 +1,7 @@
 """What a run's shipped bundle flags of attacks the registry does not hold, sent through a live
 server's HTTP API the way an outside judge sends them.
 
-    python -m benchmarks.attack_probe RUN [--n 200] [--attacks pgd-l2-1.0 jsma ...] [--out probe.json]
+    python -m benchmarks.attack_probe RUN [--n 200] [--attacks pgd-l2-1.0 jsma ...] [--out FILE]
     python -m benchmarks.attack_probe RUN --small --cache DIR   # 4 images, 2 attacks (the tests)
 
 The images: the first ``--n`` held-out test images of the deploy network (the deployed split's

@@ -15,7 +15,7 @@ rounding decides "fooled": DeepFool's ART-default overshoot of 1e-6 leaves almos
 there). Run alone: other jobs on 2 cores distort timings.
 
     python -m benchmarks.minimal_attacks runs/quick/models/vanilla [--n 200]
-    python -m benchmarks.minimal_attacks RUN/models/lap --small   # 2 images, the last set of each pair
+    python -m benchmarks.minimal_attacks RUN/models/lap --small   # 2 images, a set a pair
 """
 
 from __future__ import annotations

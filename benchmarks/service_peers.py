@@ -5,10 +5,11 @@
 
 The same bundle's Guard is served, one server at a time, by
   * lapguard   — ``lapguard serve`` (its ``/v2`` inference route, defaults as shipped);
-  * mlserver   — MLServer, a custom runtime (:mod:`benchmarks.peers.mlserver_runtime`), adaptive batching on;
+  * mlserver   — MLServer, a custom runtime (:mod:`benchmarks.peers.mlserver_runtime`), adaptive
+    batching on;
   * ray-serve  — Ray Serve, a deployment whose ``@serve.batch`` method runs the Guard;
-  * floor      — a bare ASGI app under the same uvicorn (:mod:`benchmarks.peers.floor_app`): read the body,
-    decode the PNGs, batch what arrives while the Guard computes, answer; nothing else.
+  * floor      — a bare ASGI app under the same uvicorn (:mod:`benchmarks.peers.floor_app`): read
+    the body, decode the PNGs, batch what arrives while the Guard computes, answer; nothing else.
 Every server receives the same Open Inference Protocol body (a BYTES input of base64 PNGs) and
 answers label, flagged and score; the benchmark first checks that each one's answer equals the
 in-process Guard's. Load comes from ``wrk`` (C, one thread): 1 and 32 concurrent single-image
@@ -17,8 +18,9 @@ its own defaults (it picks the forward pass's threads per batch); every other se
 each of ``--peer-threads`` (default: the cores less one, and all cores), so each is compared at
 its best. Servers are run in turn, ``--rounds`` times, the order reversed every round (drift on
 this machine is minutes long); the table gives each figure's median over rounds and the ratios
-lapguard / best peer and lapguard / best floor, per scenario. MLServer and Ray are installed by the benchmark into ``--peers-venv`` (which sees the
-product's packages for torch), so the product's dependencies stay lean. Run it alone.
+lapguard / best peer and lapguard / best floor, per scenario. MLServer and Ray are installed by
+the benchmark into ``--peers-venv`` (which sees the product's packages for torch), so the
+product's dependencies stay lean. Run it alone.
 
 ``--small`` (the tests) compares lapguard (in a thread of this process) with the floor only, half
 a second per scenario, one round: MLServer and Ray Serve need the peers' environment, minutes to
@@ -104,7 +106,7 @@ def check_answers(server: PeerServer, guard: Guard, pngs: list[bytes]) -> None:
 def measure_server(
     server: PeerServer, bodies: dict[int, bytes], args: argparse.Namespace, label: str
 ) -> dict[str, dict[str, float]]:
-    """Each scenario's wrk figures on a running server (images/s added)."""
+    """Each scenario's load figures (wrk's, or httpx's) on a running server (images/s added)."""
     figures = {}
     load = run_wrk if args.load_generator == "wrk" else run_httpx
     for name, clients, images in SCENARIOS:
