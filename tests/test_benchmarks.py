@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,11 +34,13 @@ BENCHMARKS = Path(attack_costs.__file__).parent
 
 
 @pytest.fixture(autouse=True)
-def torch_threads() -> Iterator[None]:
-    """The small modes run torch on one thread; the rest of the suite keeps its count."""
-    threads = torch.get_num_threads()
+def process_state() -> Iterator[None]:
+    """The small modes run torch on one thread and ART seeds numpy's global generator; the rest of
+    the suite keeps its own."""
+    threads, generator = torch.get_num_threads(), np.random.get_state()
     yield
     torch.set_num_threads(threads)
+    np.random.set_state(generator)
 
 
 def figures(pattern: str, text: str) -> list[float]:
