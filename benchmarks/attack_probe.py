@@ -1,7 +1,8 @@
 """What a run's shipped bundle flags of attacks the registry does not hold, sent through a live
 server's HTTP API the way an outside judge sends them.
 
-    python benchmarks/attack_probe.py RUN [--n 200] [--attacks pgd-l2-1.0 jsma ...] [--out probe.json]
+    python -m benchmarks.attack_probe RUN [--n 200] [--attacks pgd-l2-1.0 jsma ...] [--out FILE]
+    python -m benchmarks.attack_probe RUN --small --cache DIR   # 4 images, 2 attacks (the tests)
 
 The images: the first ``--n`` held-out test images of the deploy network (the deployed split's
 test side: the bundle never saw them, clean or attacked) that the network classifies right.
@@ -10,7 +11,7 @@ untargeted, with common literature settings; none is one of the registry's attac
 part in fitting, calibrating or choosing anything. ``lapguard serve`` then answers for the clean
 images and every attack's *successful* images (the prediction changed), over the Open Inference
 Protocol with the batch client, at the bundle's calibrated threshold. Each attack's images are
-cached under ``RUN/attack-probe/``: a stopped probe resumes. Nothing here chooses anything: the
+cached under ``RUN/attack-probe/`` (``--cache``): a stopped probe resumes. Nothing here chooses anything: the
 figures are for reading, never for tuning a bundle.
 """
 
@@ -19,13 +20,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from art.attacks.evasion import (
     ElasticNet,
     NewtonFool,
@@ -35,6 +36,7 @@ from art.attacks.evasion import (
     SquareAttack,
 )
 
+from benchmarks.ood_probe import served_rows
 from detector import artefacts
 from detector.bundle import read_manifest
 from training.attacks.registry import art_classifier
@@ -42,9 +44,6 @@ from training.evaluation.context import PipelineRun
 from training.evaluation.deployable import SPLIT_SEED
 from training.evaluation.protocols import Split
 from training.reporting.report import markdown_table
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ood_probe import served_rows  # noqa: E402
 
 BATCH = 100
 Build = Callable[[Any], Any]  # ART classifier -> ART attack
@@ -99,13 +98,28 @@ DEFAULT = [name for name in PROBES if name != "ead"]
 RANDOM_TARGET = {"jsma"}  # ART's JSMA reads y as the target class: None draws one at random
 
 
-def parse_args() -> argparse.Namespace:
+#: The attacks of ``--small``: the fast ones (a gradient attack and a minimal perturbation).
+SMALL = ["pgd-linf-0.05", "newtonfool"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("run", type=Path, help="a finished pipeline run (its bundle/ is served)")
     p.add_argument("--n", type=int, default=200, help="held-out images attacked (default 200)")
     p.add_argument("--attacks", nargs="+", choices=list(PROBES), default=DEFAULT)
     p.add_argument("--out", type=Path, help="write every figure as JSON here")
-    return p.parse_args()
+    p.add_argument("--cache", type=Path, help="the attacked images (default RUN/attack-probe)")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help=f"seconds: 4 images, {' and '.join(SMALL)}, 1 torch thread, the server in a thread "
+        "of this process",
+    )
+    args = p.parse_args(argv)
+    if args.small:
+        args.n, args.attacks = 4, [a for a in args.attacks if a in SMALL] or SMALL
+        torch.set_num_threads(1)
+    return args
 
 
 def held_out_images(run: PipelineRun, classifier: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -149,8 +163,8 @@ def attack(name: str, classifier: Any, x: np.ndarray, y: np.ndarray, cache: Path
     }
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     run = PipelineRun.open(args.run, progress=False)
     bundle = run.dir.bundle
     manifest = read_manifest(bundle)
@@ -158,11 +172,11 @@ def main() -> None:
     x, y = held_out_images(run, classifier, args.n)
     figures = {}
     for name in args.attacks:
-        figures[name] = attack(name, classifier, x, y, args.run / "attack-probe")
+        figures[name] = attack(name, classifier, x, y, args.cache or args.run / "attack-probe")
         print(f"{name}: success {100 * figures[name]['success']:.1f}%, "
               f"{figures[name]['s_per_image']:.3f} s/image", flush=True)  # fmt: skip
     sets = {"clean": x} | {k: f["images"] for k, f in figures.items() if len(f["images"])}
-    flagged = {k: float(np.mean([r["flagged"] for r in rows])) for k, rows in served_rows(bundle, sets).items()}  # fmt: skip
+    flagged = {k: float(np.mean([r["flagged"] for r in rows])) for k, rows in served_rows(bundle, sets, in_process=args.small).items()}  # fmt: skip
     rows = [["clean (held-out, classified right)", "", str(len(x)), "", "", "", "", f"{100 * flagged['clean']:.2f}"]]  # fmt: skip
     for name, f in figures.items():
         medians = [f"{f[k]:.3f}" if f[k] is not None else "-" for k in ("median_l2", "median_linf")]

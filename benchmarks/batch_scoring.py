@@ -1,7 +1,8 @@
 """Batch-scoring throughput: `lapguard score` on the 10,000 Fashion-MNIST test images, in process and
 through --url, against the in-process Guard at the same batch size, in one run.
 
-    python benchmarks/batch_scoring.py [--bundle runs/quick/bundle] [--fallback-bundle DIR]
+    python -m benchmarks.batch_scoring [--bundle runs/quick/bundle] [--fallback-bundle DIR]
+    python -m benchmarks.batch_scoring --bundle BUNDLE --small   # 256 images, once (the tests)
 
 Prints:
   * in-process Guard throughput (``Guard.predict`` on the prepared test set, batch --batch-size),
@@ -27,8 +28,6 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,15 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.local_server import ROOT, Server, start_server, stop_server
 from detector.guard import Guard
 from training.cli.main import main as cli_main
 from training.data.datasets import default_root, load_dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import ROOT, start_server, stop_server  # noqa: E402
 
-
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=ROOT / "runs" / "quick" / "bundle")
     p.add_argument(
@@ -57,7 +54,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--url-batch-size", type=int, default=64, help="images per request with --url")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight with --url")
     p.add_argument("--repeat", type=int, default=3)
-    return p.parse_args()
+    p.add_argument("--n", type=int, default=None, help="only the first N test images")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="seconds: 256 images, batch 64, once, no loader processes, 1 torch thread, the "
+        "server in a thread of this process",
+    )
+    args = p.parse_args(argv)
+    if args.small:
+        args.n, args.batch_size, args.url_batch_size, args.repeat, args.workers = 256, 64, 32, 1, 0
+        torch.set_num_threads(1)
+    return args
 
 
 def guard_throughput(guard: Guard, x: torch.Tensor, batch_size: int, repeat: int) -> float:
@@ -87,14 +95,13 @@ def run_score(argv: list[str], out: Path) -> tuple[float, str]:
     return float(match.group(1)), summary.strip()
 
 
-def start_local_server(args: argparse.Namespace, bundle: Path) -> tuple[subprocess.Popen, str]:
+def start_local_server(args: argparse.Namespace, bundle: Path) -> tuple[Server, str]:
     env = {
         "LAPGUARD_MAX_IMAGES_PER_REQUEST": str(args.url_batch_size),
         "LAPGUARD_MAX_QUEUE": str(max(512, 2 * args.concurrency * args.url_batch_size)),
     }
-    return start_server(
-        bundle, flags=["--device", args.device, "--max-batch-size", str(args.batch_size)], env=env
-    )
+    flags = ["--device", args.device, "--max-batch-size", str(args.batch_size)]
+    return start_server(bundle, flags=flags, env=env, in_process=args.small)
 
 
 def disagreements(a: Path, b: Path) -> tuple[int, float]:
@@ -111,8 +118,24 @@ def disagreements(a: Path, b: Path) -> tuple[int, float]:
     return differ, gap
 
 
-def main() -> None:
-    args = parse_args()
+def served_score(
+    args: argparse.Namespace, bundle: Path, common: list[str], out: Path
+) -> tuple[float, str]:
+    """`lapguard score --url` against a server of ``bundle``: (the best throughput of
+    ``--repeat`` runs, its summary)."""
+    process, url = start_local_server(args, bundle)
+    try:
+        url_argv = [
+            "--url", url, *common, "--batch-size", str(args.url_batch_size),
+            "--concurrency", str(args.concurrency), "--timeout", "60",
+        ]  # fmt: skip
+        return max(run_score(url_argv, out) for _ in range(args.repeat))
+    finally:
+        stop_server(process)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     bundle = args.bundle
     if not (bundle / "manifest.json").is_file():
         if args.fallback_bundle is None or not (args.fallback_bundle / "manifest.json").is_file():
@@ -131,8 +154,9 @@ def main() -> None:
     )
 
     test = load_dataset("fashion-mnist", "test", root=root)
-    x = guard.prepare(np.asarray(test.data))  # the 10,000 test images, prepared once
+    x = guard.prepare(np.asarray(test.data[: args.n]))  # the test images (--n), prepared once
     common = ["--dataset", "fashion-mnist", "--root", str(root)]
+    common += ["--n", str(args.n)] if args.n else []
     with tempfile.TemporaryDirectory(prefix="batch-scoring-") as tmp:
         local_out, remote_out = Path(tmp) / "local.jsonl", Path(tmp) / "remote.jsonl"
         local_argv = [
@@ -164,16 +188,7 @@ def main() -> None:
         )
         del guard
 
-        process, url = start_local_server(args, bundle)
-        try:
-            url_argv = [
-                "--url", url, *common, "--batch-size", str(args.url_batch_size),
-                "--concurrency", str(args.concurrency), "--timeout", "60",
-            ]  # fmt: skip
-            remote = [run_score(url_argv, remote_out) for _ in range(args.repeat)]
-        finally:
-            stop_server(process)
-        remote_rate, remote_summary = max(remote)
+        remote_rate, remote_summary = served_score(args, bundle, common, remote_out)
         print(
             f"`lapguard score --url` against `lapguard serve` on 127.0.0.1 "
             f"({args.url_batch_size} images/request, concurrency {args.concurrency}, best of {args.repeat}):"

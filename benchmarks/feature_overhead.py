@@ -11,9 +11,11 @@ Prints:
 
 Repetitions of the things compared are interleaved and medians taken, so background load hits
 both alike; still, run it alone: other jobs on the same cores distort timings. Uses the trained
-network in runs/quick/models/lap when it exists, else default-initialized weights.
+network in runs/quick/models/lap (``--network``) when it exists, else default-initialized weights.
+``--small`` runs in seconds on a small network (the smoke run's), for the tests.
 
-    .venv/bin/python benchmarks/feature_overhead.py [--repeats 15] [--threads N] [--device auto]
+    python -m benchmarks.feature_overhead [--repeats 15] [--threads N] [--device auto]
+    python -m benchmarks.feature_overhead --small --network RUN/models/lap --bundle RUN/bundle
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ from detector.mahalanobis import MahalanobisDetector
 TRAINED = Path("runs/quick/models/lap")
 
 
-def _network(device: torch.device) -> tuple[torch.nn.Module, str]:
-    if (TRAINED / networks.WEIGHTS_FILE).is_file() and (TRAINED / networks.CONFIG_FILE).is_file():
-        return networks.load(TRAINED, device=device), f"trained ({TRAINED})"
+def _network(device: torch.device, trained: Path) -> tuple[torch.nn.Module, str]:
+    if (trained / networks.WEIGHTS_FILE).is_file() and (trained / networks.CONFIG_FILE).is_file():
+        return networks.load(trained, device=device), f"trained ({trained})"
     torch.manual_seed(0)
     config = networks.NetworkConfig(
         architecture="resnet9_mnist",
@@ -48,7 +50,7 @@ def _network(device: torch.device) -> tuple[torch.nn.Module, str]:
     )
     return networks.build_network(config).to(
         device
-    ).eval(), "default-initialized (no trained LAP network found)"
+    ).eval(), f"default-initialized (no trained network in {trained})"
 
 
 def _images(n: int, split: str) -> tuple[np.ndarray, np.ndarray, str]:
@@ -97,7 +99,7 @@ def _ratio(t: dict[str, tuple[float, float]], top: str, bottom: str) -> str:
     return f"wall {t[top][0] / t[bottom][0]:.3f}, CPU {t[top][1] / t[bottom][1]:.3f}"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument(
@@ -107,20 +109,48 @@ def main() -> None:
     parser.add_argument(
         "--bundle", type=Path, default=None, help="also time this bundle's detector"
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--network", type=Path, default=TRAINED, help=f"a trained network (default {TRAINED})"
+    )
+    parser.add_argument("--images", type=int, default=1000, help="images of each split")
+    parser.add_argument("--batch", type=int, default=256, help="the batch of [1], [3]-[5]")
+    parser.add_argument("--trees", type=int, default=100, help="trees per forest of [3]-[4]")
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="seconds, not minutes: 128 images, batch 64, 10 trees, 2 repeats, 1 thread",
+    )
+    args = parser.parse_args(argv)
+    if args.small:  # one thread: two on two busy cores can stall 30x in OpenMP's barriers
+        args.images, args.batch, args.trees, args.repeats = 128, 64, 10, 2
+        args.threads = args.threads or 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = networks.resolve_device(args.device)
-    model, origin = _network(device)
-    x_test, _, data = _images(1000, "test")
-    x_train, y_train, _ = _images(1000, "train")
+    model, origin = _network(device, args.network)
+    x_test, _, data = _images(args.images, "test")
+    x_train, y_train, _ = _images(args.images, "train")
     print(
         f"device {device}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} "
         f"on {os.cpu_count()} cores; network resnet9_mnist {origin}; images: {data}"
     )
+    batch = torch.from_numpy(x_test[: args.batch]).to(device)
+    _forward_share(model, batch, args.repeats, device)
+    _extraction(model, x_train, y_train, x_test, args.repeats, device)
+    _forests(model, x_test, batch, args.trees, args.repeats, device)
+    if args.bundle is not None:
+        _bundle_share(args.bundle, x_test[: args.batch], args.repeats, device)
 
-    # 1. Forward + features vs plain forward, batch 256.
-    batch = torch.from_numpy(x_test[:256]).to(device)
+
+def _forward_share(
+    model: torch.nn.Module, batch: torch.Tensor, repeats: int, device: torch.device
+) -> None:
+    """[1] Forward + features vs plain forward."""
 
     def plain() -> object:
         with torch.inference_mode():
@@ -131,23 +161,32 @@ def main() -> None:
             model(batch)
             return fx.features()
 
-    t = _interleaved({"plain": plain, "features": with_features}, args.repeats, device)
+    t = _interleaved({"plain": plain, "features": with_features}, repeats, device)
     print(
-        f"[1] batch 256: plain forward {t['plain'][0] * 1e3:.1f} ms (CPU {t['plain'][1] * 1e3:.1f}), "
+        f"[1] batch {len(batch)}: plain forward {t['plain'][0] * 1e3:.1f} ms (CPU {t['plain'][1] * 1e3:.1f}), "
         f"forward + transport features {t['features'][0] * 1e3:.1f} ms (CPU {t['features'][1] * 1e3:.1f}); "
         f"ratio {_ratio(t, 'features', 'plain')} (target <= 1.03)"
     )
 
-    # 2. Transport vs Mahalanobis feature extraction on the same 1000 images.
+
+def _extraction(
+    model: torch.nn.Module,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    repeats: int,
+    device: torch.device,
+) -> None:
+    """[2] Transport vs Mahalanobis feature extraction on the same images."""
     mahalanobis = MahalanobisDetector().fit_clean(model, x_train, y_train)
     extraction = {
         "transport": lambda: extract_features(model, x_test, batch_size=256),
         "mahalanobis_eps0": lambda: mahalanobis.mahalanobis_features(model, x_test, 0.0),
         "mahalanobis_eps0.0014": lambda: mahalanobis.mahalanobis_features(model, x_test, 0.0014),
     }
-    t = _interleaved(extraction, max(3, args.repeats // 5), device)
+    t = _interleaved(extraction, max(3, repeats // 5), device)
     print(
-        f"[2] 1000 images ({len(mahalanobis.layer_dims_)} Mahalanobis layers): transport features "
+        f"[2] {len(x_test)} images ({len(mahalanobis.layer_dims_)} Mahalanobis layers): transport features "
         f"{t['transport'][0]:.2f} s (CPU {t['transport'][1]:.2f}); Mahalanobis with input "
         f"pre-processing (eps 0.0014) {t['mahalanobis_eps0.0014'][0]:.2f} s (CPU "
         f"{t['mahalanobis_eps0.0014'][1]:.2f}) = {_ratio(t, 'mahalanobis_eps0.0014', 'transport')} x "
@@ -155,24 +194,34 @@ def main() -> None:
         f"{_ratio(t, 'mahalanobis_eps0', 'transport')} x"
     )
 
-    # 3. Forest inference: sklearn vs TensorForest, and the detector's share of the Guard.
+
+def _forests(
+    model: torch.nn.Module,
+    x_test: np.ndarray,
+    batch: torch.Tensor,
+    trees: int,
+    repeats: int,
+    device: torch.device,
+) -> None:
+    """[3] Forest inference: sklearn vs TensorForest; [4] the detector's share of the Guard."""
     features, logits = extract_features(model, x_test, batch_size=256)
     rng = np.random.default_rng(0)
     noisy = np.clip(x_test + rng.normal(0, 0.1, x_test.shape), 0, 1).astype(np.float32)
     noisy_features, noisy_logits = extract_features(model, noisy, batch_size=256)
-    detector = TransportDetector(n_estimators=100, class_conditional=True).fit(
+    detector = TransportDetector(n_estimators=trees, class_conditional=True).fit(
         np.concatenate([features, noisy_features]),
         np.r_[np.zeros(len(features)), np.ones(len(noisy_features))].astype(int),
         np.concatenate([logits, noisy_logits]).argmax(1),
     )
     module = detector.to_torch().to(device)
-    f256 = torch.from_numpy(features[:256]).to(device)
-    p256 = torch.from_numpy(logits[:256].argmax(1)).to(device)
+    n = len(batch)
+    f_n = torch.from_numpy(features[:n]).to(device)
+    p_n = torch.from_numpy(logits[:n].argmax(1)).to(device)
 
-    def tensor_forest(n: int) -> Callable[[], object]:
+    def tensor_forest(k: int) -> Callable[[], object]:
         def run() -> object:
             with torch.inference_mode():
-                return module(f256[:n], p256[:n])
+                return module(f_n[:k], p_n[:k])
 
         return run
 
@@ -181,45 +230,42 @@ def main() -> None:
     t = _interleaved(
         {
             "sk1": lambda: forest.predict_proba(features[:1]),
-            "sk256": lambda: forest.predict_proba(features[:256]),
-            "sk_score256": lambda: detector.score(features[:256], logits[:256].argmax(1)),
+            "skn": lambda: forest.predict_proba(features[:n]),
+            "sk_scoren": lambda: detector.score(features[:n], logits[:n].argmax(1)),
             "tf1": tensor_forest(1),
-            "tf256": tensor_forest(256),
+            "tfn": tensor_forest(n),
         },
-        args.repeats,
+        repeats,
         device,
     )
     n_forests = 1 + len(detector.class_forests_)
     ms = {name: wall * 1e3 for name, (wall, _) in t.items()}
     print(
-        f"[3] forests: {n_forests} x 100 trees (general + per class), deepest tree "
+        f"[3] forests: {n_forests} x {trees} trees (general + per class), deepest tree "
         f"{int(detector.arrays_['depth'][0])}; wall times: sklearn predict_proba (general forest "
-        f"only) 1 sample {ms['sk1']:.1f} ms, 256 samples {ms['sk256']:.1f} ms; sklearn "
-        f"class-conditional score 256 {ms['sk_score256']:.1f} ms; TensorForest class-conditional "
-        f"1 sample {ms['tf1']:.2f} ms, 256 samples {ms['tf256']:.1f} ms"
+        f"only) 1 sample {ms['sk1']:.1f} ms, {n} samples {ms['skn']:.1f} ms; sklearn "
+        f"class-conditional score {n} {ms['sk_scoren']:.1f} ms; TensorForest class-conditional "
+        f"1 sample {ms['tf1']:.2f} ms, {n} samples {ms['tfn']:.1f} ms"
     )
 
     guard = Guard.from_run(model, detector, 0.5, device=device)
-    guard.warmup((256,))
+    guard.warmup((n,))
     t = _interleaved(
-        {"guard": lambda: guard.predict(batch), "detector": tensor_forest(256)},
-        args.repeats,
-        device,
+        {"guard": lambda: guard.predict(batch), "detector": tensor_forest(n)}, repeats, device
     )
     print(
-        f"[4] Guard.predict batch 256 {t['guard'][0] * 1e3:.1f} ms (CPU {t['guard'][1] * 1e3:.1f}), "
+        f"[4] Guard.predict batch {n} {t['guard'][0] * 1e3:.1f} ms (CPU {t['guard'][1] * 1e3:.1f}), "
         f"detector module alone {t['detector'][0] * 1e3:.1f} ms (CPU {t['detector'][1] * 1e3:.1f}): "
         f"share wall {100 * t['detector'][0] / t['guard'][0]:.1f}%, "
         f"CPU {100 * t['detector'][1] / t['guard'][1]:.1f}% (target <= 10%)"
     )
-    if args.bundle is not None:
-        _bundle_share(args.bundle, x_test[:256], args.repeats, device)
 
 
 def _bundle_share(bundle: Path, images: np.ndarray, repeats: int, device: torch.device) -> None:
-    """[5] The shipped detector module's share of its own Guard's batch time (batch 256)."""
+    """[5] The shipped detector module's share of its own Guard's batch time (a batch of
+    ``images``)."""
     guard = Guard.from_bundle(bundle, device=device)
-    guard.warmup((256,))
+    guard.warmup((len(images),))
     batch = torch.from_numpy(images).to(device)
     with torch.inference_mode(), guard._extractor as fx:
         logits = guard.model(batch)
@@ -242,7 +288,7 @@ def _bundle_share(bundle: Path, images: np.ndarray, repeats: int, device: torch.
     label = spec.feature_spec.label() if spec else "?"
     print(
         f"[5] bundle {bundle} ({spec.kind if spec else '?'}, {len(guard.feature_names)} features, "
-        f"{label}): Guard.predict batch 256 {t['guard'][0] * 1e3:.1f} ms, detector module "
+        f"{label}): Guard.predict batch {len(images)} {t['guard'][0] * 1e3:.1f} ms, detector module "
         f"{t['detector'][0] * 1e3:.1f} ms: share wall {100 * t['detector'][0] / t['guard'][0]:.1f}%, "
         f"CPU {100 * t['detector'][1] / t['guard'][1]:.1f}% (target <= 10%); the network's plain "
         f"forward {t['plain'][0] * 1e3:.1f} ms: Guard / plain forward {_ratio(t, 'guard', 'plain')} "

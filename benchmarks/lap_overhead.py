@@ -4,7 +4,8 @@ The residuals are already computed by the forward pass; LAP only adds sum(mean(r
 and its backward. Epochs alternate (vanilla, LAP, vanilla, ...) and the medians are compared, so
 background load affects both alike. Run alone: other jobs on 2 cores distort timings.
 
-    .venv/bin/python benchmarks/lap_overhead.py [--images 10000] [--repeats 3]
+    python -m benchmarks.lap_overhead [--images 10000] [--repeats 3]
+    python -m benchmarks.lap_overhead --small      # a narrow network, 128 images (the tests)
 """
 
 from __future__ import annotations
@@ -24,14 +25,32 @@ from training.trainer.loop import train_one_epoch
 from training.trainer.losses import UzawaMultiplier
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=10000, help="training images per epoch")
     parser.add_argument("--repeats", type=int, default=3, help="epochs of each objective")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--device", default="auto")
-    args = parser.parse_args()
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--width", type=int, default=None, help="channels (default: resnet9's)")
+    parser.add_argument("--depth", type=int, default=None, help="blocks (default: resnet9's)")
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="seconds, not minutes: width 8, 2 blocks, 128 images, batch 64, one epoch each, "
+        "1 thread",
+    )
+    args = parser.parse_args(argv)
+    if args.small:
+        args.images, args.repeats, args.batch_size, args.width, args.depth = 128, 1, 64, 8, 2
+        args.threads = args.threads or 1
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     torch.manual_seed(0)
     info = dataset_info("fashion-mnist")
@@ -42,8 +61,10 @@ def main() -> None:
     loader = DataLoader(
         torch.utils.data.TensorDataset(x, y), batch_size=args.batch_size, shuffle=False
     )
+    shape = {"width": args.width, "depth": args.depth}
     config = NetworkConfig(
         architecture="resnet9_mnist",
+        arguments={name: value for name, value in shape.items() if value is not None},
         class_names=list(info.class_names),
         input_spec=InputSpec(**info.input_spec().model_dump()),
     )
@@ -76,7 +97,8 @@ def main() -> None:
 
     vanilla, lap = statistics.median(times["vanilla"]), statistics.median(times["lap"])
     print(
-        f"device: {device}, threads: {torch.get_num_threads()}, images/epoch: {len(data)}, batch: {args.batch_size}"
+        f"device: {device}, threads: {torch.get_num_threads()}, images/epoch: {len(data)}, "
+        f"batch: {args.batch_size}, network: resnet9_mnist {config.arguments or 'as shipped'}"
     )
     print(
         f"vanilla epoch: median {vanilla:.2f}s  (all: {', '.join(f'{t:.2f}' for t in times['vanilla'])})"

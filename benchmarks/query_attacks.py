@@ -1,4 +1,4 @@
-"""Stateful detection against real query attacks through the HTTP API (issue 12, item 4).
+"""Stateful detection against real query attacks through the HTTP API.
 
 Starts `lapguard serve` on a bundle (query memory in process, action 'flag'), then:
 1. attacks: ART HopSkipJump, Boundary and Square, each run on one correctly classified
@@ -12,8 +12,9 @@ Starts `lapguard serve` on a bundle (query memory in process, action 'flag'), th
    (byte-identical), JPEG q90 re-encodes and 1-pixel crops, in requests of 1-4 images, clients
    interleaved; prints falsely flagged clients and the share of flagged benign queries.
 
-    LAPGUARD_DATA=data .venv/bin/python benchmarks/query_attacks.py --bundle runs/smoke/bundle \
+    LAPGUARD_DATA=data python -m benchmarks.query_attacks --bundle runs/smoke/bundle \
         [--runs 10] [--clients 100] [--images 100]
+    python -m benchmarks.query_attacks --bundle BUNDLE --small   # one Square run, 2 clients (tests)
 
 ``--network DIR`` (a network saved by `lapguard train`) serves that network instead, in a bundle
 written beside it with the zero-shot quantile detector fitted on 2,000 clean training images (the
@@ -26,7 +27,6 @@ import argparse
 import contextlib
 import io
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,10 +36,8 @@ import httpx
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import start_server, stop_server  # noqa: E402
-
-from training.data.datasets import load_dataset, to_arrays  # noqa: E402
+from benchmarks.local_server import start_server, stop_server
+from training.data.datasets import load_dataset, to_arrays
 
 CHUNK = 64  # images per request: the server's max_images_per_request default
 
@@ -221,7 +219,7 @@ def bundle_for(network_dir: Path) -> Path:
                         name=network_dir.name, dataset="fashion-mnist")  # fmt: skip
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--bundle", type=Path)
@@ -240,7 +238,29 @@ def main() -> None:
     parser.add_argument("--skip-benign", action="store_true")
     parser.add_argument("--neighbours", type=int, default=None, help="LAPGUARD_QUERY_NEIGHBOURS")
     parser.add_argument("--levels", type=int, default=None, help="LAPGUARD_QUERY_LEVELS")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--candidates", type=int, default=2048, help="test images the attacked ones come from"
+    )
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="seconds: one Square run, 2 benign clients of 8 images, the server in a thread of "
+        "this process",
+    )
+    args = parser.parse_args(argv)
+    if args.small:
+        args.runs, args.attacks, args.clients, args.images, args.candidates = (
+            1,
+            ["square"],
+            2,
+            8,
+            64,
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     images, labels = to_arrays(load_dataset("fashion-mnist", "test"))
     env = {"LAPGUARD_QUERY_MEMORY": "memory", "LAPGUARD_MAX_QUEUE": "4096"}
     if args.neighbours is not None:
@@ -248,14 +268,15 @@ def main() -> None:
     if args.levels is not None:
         env["LAPGUARD_QUERY_LEVELS"] = str(args.levels)
     bundle = args.bundle if args.bundle is not None else bundle_for(args.network)
-    process, url = start_server(bundle, flags=[], env=env)
+    process, url = start_server(bundle, flags=[], env=env, in_process=args.small)
     try:
         model = httpx.get(url + "/v1/model", timeout=10).json()["name"]
         probe = Oracle(
             url, model, httpx.Client(transport=httpx.HTTPTransport(local_address="127.9.9.9"))
         )
-        predicted = np.concatenate([probe(images[i : i + 512]) for i in range(0, 2048, 512)])
-        correct = np.flatnonzero(predicted.argmax(1) == labels[:2048])[: args.runs]
+        n = args.candidates
+        predicted = np.concatenate([probe(images[i : min(i + 512, n)]) for i in range(0, n, 512)])
+        correct = np.flatnonzero(predicted.argmax(1) == labels[:n])[: args.runs]
         print(f"server {url}, model {model}; attack images: {len(correct)} correctly classified")
         run_attacks(url, model, images[correct], labels[correct], args)
         if not args.skip_benign:

@@ -1,4 +1,4 @@
-"""The query memory's calibration, bounds and cost (issue 12, items 3-4).
+"""The query memory's calibration, bounds and cost.
 
 Prints:
 1. the benign calibration of the signature (``query_levels``) and of the neighbour rule
@@ -15,8 +15,9 @@ Prints:
    `lapguard serve` processes on the bundle, memory off vs in process with this client's history
    filled with 10,000 clean training images; requests alternate between them (medians of each).
 
-    LAPGUARD_DATA=data .venv/bin/python benchmarks/query_memory.py [--redis redis://127.0.0.1:6379/0]
+    LAPGUARD_DATA=data python -m benchmarks.query_memory [--redis redis://127.0.0.1:6379/0]
         [--bundle runs/smoke/bundle]
+    python -m benchmarks.query_memory --bundle BUNDLE --small   # 300 images, 20 rounds (tests)
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.local_server import start_server, stop_server
 from service.query_memory import (
     InProcessStore,
     QueryEmbedder,
@@ -44,9 +45,6 @@ from service.query_memory import (
 )
 from service.settings import Settings
 from training.data.datasets import load_dataset, to_arrays
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import start_server, stop_server  # noqa: E402
 
 QUANTILES = (0.0001, 0.001, 0.01, 0.05, 0.5)
 LEVELS = (3, 4, 5)
@@ -77,8 +75,8 @@ def neighbour_counts(rows: np.ndarray, planes: int) -> np.ndarray:
     return counts
 
 
-def calibration(settings: Settings) -> None:
-    images, _ = to_arrays(load_dataset("fashion-mnist", "test"))
+def calibration(settings: Settings, n: int | None) -> None:
+    images, _ = to_arrays(load_dataset("fashion-mnist", "test"), n)
     first = images[:500]
     rng = np.random.default_rng(0)
     copies = {
@@ -106,7 +104,7 @@ def calibration(settings: Settings) -> None:
             + f"; images with a neighbour: {np.count_nonzero(nearest == 0)}"
         )
         print(
-            "  images with >= k neighbours among the other 9,999: "
+            f"  images with >= k neighbours among the other {len(rows) - 1:,}: "
             + ", ".join(f"k={k}: {np.count_nonzero(counts >= k)}" for k in ks)
         )
         base = _signatures(embed, first)
@@ -165,11 +163,14 @@ def _check_seconds(url: str) -> tuple[float, float]:
     return values[prefix + "sum"], values[prefix + "count"]
 
 
-def served_latency(bundle: Path, stored: int, rounds: int) -> None:
-    """Median single-image /v1/predict latency without and with the check, interleaved."""
+def served_latency(bundle: Path, stored: int, rounds: int, in_process: bool = False) -> None:
+    """Median single-image /v1/predict latency without and with the check, interleaved (the
+    servers in threads of this process with ``in_process``)."""
     common = {"LAPGUARD_MAX_QUEUE": "4096", "LAPGUARD_QUERY_HISTORY": str(stored)}
-    off, off_url = start_server(bundle, flags=[], env={**common, "LAPGUARD_QUERY_MEMORY": "off"})
-    on, on_url = start_server(bundle, flags=[], env={**common, "LAPGUARD_QUERY_MEMORY": "memory"})
+    off, off_url = start_server(bundle, flags=[], env={**common, "LAPGUARD_QUERY_MEMORY": "off"},
+                                in_process=in_process)  # fmt: skip
+    on, on_url = start_server(bundle, flags=[], env={**common, "LAPGUARD_QUERY_MEMORY": "memory"},
+                              in_process=in_process)  # fmt: skip
     try:
         rng = np.random.default_rng(0)
         train, _ = to_arrays(load_dataset("fashion-mnist", "train"), stored, seed=0)
@@ -203,7 +204,7 @@ def served_latency(bundle: Path, stored: int, rounds: int) -> None:
         stop_server(on)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--redis", default=None, help="also time a Redis store at this URL")
     parser.add_argument("--stored", type=int, default=10_000)
@@ -211,11 +212,27 @@ def main() -> None:
     parser.add_argument("--bundle", type=Path, default=None, help="also time a served request")
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--skip-calibration", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--calibration-images", type=int, default=None, help="the first N test images (all)"
+    )
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="seconds: 300 test images calibrate, 300 stored queries, 20 repeats and rounds, the "
+        "servers in threads of this process",
+    )
+    args = parser.parse_args(argv)
+    if args.small:
+        args.calibration_images, args.stored, args.repeats, args.rounds = 300, 300, 20, 20
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     settings = Settings(query_history=args.stored)
     if not args.skip_calibration:
-        calibration(settings)
+        calibration(settings, args.calibration_images)
     default = Settings()
     embed = QueryEmbedder(
         (1, 28, 28), (0.0, 1.0), levels=settings.query_levels, seed=settings.query_seed
@@ -255,7 +272,7 @@ def main() -> None:
             print(f"redis observe, {args.stored} stored ({name}): median {seconds * 1e3:.3f} ms")
             redis_store.close()
     if args.bundle:
-        served_latency(args.bundle, args.stored, args.rounds)
+        served_latency(args.bundle, args.stored, args.rounds, in_process=args.small)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """lapguard against the servers a user would otherwise pick, on the same cores, model and load.
 
-    python benchmarks/service_peers.py --bundle runs/quick/bundle [--seconds 15] [--rounds 2]
+    python -m benchmarks.service_peers --bundle runs/quick/bundle [--seconds 15] [--rounds 2]
+    python -m benchmarks.service_peers --bundle BUNDLE --small   # lapguard and the floor (tests)
 
 The same bundle's Guard is served, one server at a time, by
   * lapguard   — ``lapguard serve`` (its ``/v2`` inference route, defaults as shipped);
-  * mlserver   — MLServer, a custom runtime (``peers/mlserver_runtime.py``), adaptive batching on;
+  * mlserver   — MLServer, a custom runtime (:mod:`benchmarks.peers.mlserver_runtime`), adaptive
+    batching on;
   * ray-serve  — Ray Serve, a deployment whose ``@serve.batch`` method runs the Guard;
-  * floor      — a bare ASGI app under the same uvicorn (``peers/floor_app.py``): read the body,
-    decode the PNGs, batch what arrives while the Guard computes, answer; nothing else.
+  * floor      — a bare ASGI app under the same uvicorn (:mod:`benchmarks.peers.floor_app`): read
+    the body, decode the PNGs, batch what arrives while the Guard computes, answer; nothing else.
 Every server receives the same Open Inference Protocol body (a BYTES input of base64 PNGs) and
 answers label, flagged and score; the benchmark first checks that each one's answer equals the
 in-process Guard's. Load comes from ``wrk`` (C, one thread): 1 and 32 concurrent single-image
@@ -16,38 +18,42 @@ its own defaults (it picks the forward pass's threads per batch); every other se
 each of ``--peer-threads`` (default: the cores less one, and all cores), so each is compared at
 its best. Servers are run in turn, ``--rounds`` times, the order reversed every round (drift on
 this machine is minutes long); the table gives each figure's median over rounds and the ratios
-lapguard / best peer and lapguard / best floor, per scenario. MLServer and Ray are installed by the benchmark into ``--peers-venv`` (which sees the
-product's packages for torch), so the product's dependencies stay lean. Run it alone.
+lapguard / best peer and lapguard / best floor, per scenario. MLServer and Ray are installed by
+the benchmark into ``--peers-venv`` (which sees the product's packages for torch), so the
+product's dependencies stay lean. Run it alone.
+
+``--small`` (the tests) compares lapguard (in a thread of this process) with the floor only, half
+a second per scenario, one round: MLServer and Ray Serve need the peers' environment, minutes to
+install on a fresh machine. Its load comes from httpx when ``wrk`` is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_servers import SERVERS, PeerServer, ensure_peers_venv  # noqa: E402
-from peers.v2_images import v2_body  # noqa: E402
-from service_throughput import sample_pngs  # noqa: E402
-from wrk_load import ensure_wrk, run_wrk  # noqa: E402
-
-from detector.guard import Guard  # noqa: E402
-from detector.images import decode_image  # noqa: E402
-from service.settings import default_torch_threads, usable_cores  # noqa: E402
+from benchmarks.httpx_load import run_httpx
+from benchmarks.peer_servers import SERVERS, PeerServer, ensure_peers_venv
+from benchmarks.peers.v2_images import v2_body
+from benchmarks.service_throughput import sample_pngs
+from benchmarks.wrk_load import ensure_wrk, run_wrk
+from detector.guard import Guard
+from detector.images import decode_image
+from service.settings import default_torch_threads, usable_cores
 
 #: (name, concurrent clients, images per request)
 SCENARIOS = (("1 client", 1, 1), ("32 clients", 32, 1), ("4 x 64 images", 4, 64))
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--seconds", type=float, default=15.0, help="measured load per scenario")
@@ -67,7 +73,21 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--peers-venv", type=Path, default=Path(".venv-peers"))
     p.add_argument("--out", type=Path, help="write results.json and table.md here")
-    return p.parse_args()
+    p.add_argument("--load-generator", choices=["wrk", "httpx"], default="wrk",
+                   help="wrk (installed when missing) or httpx in this process")  # fmt: skip
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="seconds: lapguard and the floor on 1 thread, 0.5 s per scenario, 1 round, httpx "
+        "unless wrk is installed",
+    )
+    args = p.parse_args(argv)
+    if args.small:
+        args.servers, args.peer_threads, args.torch_threads = "lapguard,floor", "1", 1
+        args.seconds, args.warmup, args.rounds = 0.5, 0.0, 1
+        if shutil.which("wrk") is None:
+            args.load_generator = "httpx"
+    return args
 
 
 def check_answers(server: PeerServer, guard: Guard, pngs: list[bytes]) -> None:
@@ -86,12 +106,14 @@ def check_answers(server: PeerServer, guard: Guard, pngs: list[bytes]) -> None:
 def measure_server(
     server: PeerServer, bodies: dict[int, bytes], args: argparse.Namespace, label: str
 ) -> dict[str, dict[str, float]]:
-    """Each scenario's wrk figures on a running server (images/s added)."""
+    """Each scenario's load figures (wrk's, or httpx's) on a running server (images/s added)."""
     figures = {}
+    load = run_wrk if args.load_generator == "wrk" else run_httpx
     for name, clients, images in SCENARIOS:
         body = bodies[images]
-        run_wrk(server.infer_url, body, "application/json", clients=clients, seconds=args.warmup)
-        result = run_wrk(
+        if args.warmup > 0:
+            load(server.infer_url, body, "application/json", clients=clients, seconds=args.warmup)
+        result = load(
             server.infer_url, body, "application/json", clients=clients, seconds=args.seconds
         )
         result["images_per_s"] = result["rate"] * images
@@ -162,13 +184,19 @@ def entries(names: list[str], args: argparse.Namespace) -> list[tuple[str, str, 
     return chosen
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     unknown = set(names) - set(SERVERS)
     if unknown:
         raise SystemExit(f"unknown servers {sorted(unknown)}; choose from {', '.join(SERVERS)}")
-    ensure_wrk()
+    if args.small:
+        print("small mode: lapguard and the floor only (MLServer and Ray Serve are not run: "
+              "their environment takes minutes to install)")  # fmt: skip
+    if args.load_generator == "wrk":
+        ensure_wrk()
+    else:
+        print("load from httpx in this process (wrk is not used)")
     peers_python = (
         ensure_peers_venv(args.peers_venv) if {"mlserver", "ray-serve"} & set(names) else None
     )
@@ -182,7 +210,8 @@ def main() -> None:
         order = chosen if round_ % 2 == 0 else chosen[::-1]
         print(f"round {round_ + 1}/{args.rounds}: {', '.join(e[0] for e in order)}", flush=True)
         for label, name, threads in order:
-            with SERVERS[name](args.bundle, peers_python, threads) as server:
+            server_type = SERVERS[name]
+            with server_type(args.bundle, peers_python, threads, in_process=args.small) as server:
                 check_answers(server, guard, pngs[:8])
                 runs[label].append(measure_server(server, bodies, args, label))
     results = {name: median_figures(figures) for name, figures in runs.items()}

@@ -1,6 +1,7 @@
 """Service throughput and latency against the in-process Guard, in one run.
 
-    python benchmarks/service_throughput.py --bundle runs/quick/bundle [--device cpu]
+    python -m benchmarks.service_throughput --bundle runs/quick/bundle [--device cpu]
+    python -m benchmarks.service_throughput --bundle BUNDLE --small   # a second of load (tests)
 
 Prints:
   * in-process Guard throughput (images/s) at each batch size and the best one;
@@ -16,8 +17,9 @@ Prints:
 The server is `lapguard serve` in a subprocess on 127.0.0.1 (a free port). The load generator is
 `wrk` (C, so that it takes little of the cores the server needs; installed with apt-get when
 missing), or httpx in this process with ``--load-generator httpx``; it is bounded by --time-limit
-(and --requests for httpx). Benchmark alone: other
-jobs on the cores skew everything.
+(and --requests for httpx). Benchmark alone: other jobs on the cores skew everything.
+``--small`` (the tests) serves in a thread of this process, for a second of 4 clients, with httpx
+when ``wrk`` is not installed (it never installs it).
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ import argparse
 import asyncio
 import io
 import os
+import shutil
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,16 +38,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from detector.features import extract_features
+from benchmarks.local_server import Server, start_server, stop_server
+from benchmarks.wrk_load import ensure_wrk, run_wrk
 from detector.guard import Guard
 from detector.images import decode_image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_server import start_server, stop_server  # noqa: E402
-from wrk_load import ensure_wrk, run_wrk  # noqa: E402
 
-
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--device", default="auto")
@@ -70,7 +68,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--single-client-seconds", type=float, default=10.0, help="seconds of the one-client phase"
     )
-    return p.parse_args()
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="seconds: batches 1 and 8, 4 clients for 1 s, 1 torch thread, the server in a "
+        "thread of this process, httpx unless wrk is installed",
+    )
+    args = p.parse_args(argv)
+    if args.small:
+        args.batch_sizes, args.seconds_per_size, args.clients, args.requests = "1,8", 0.05, 4, 500
+        args.time_limit, args.single_client_seconds, args.warmup = 1.0, 1.0, 0.5
+        if shutil.which("wrk") is None:
+            args.load_generator = "httpx"
+        torch.set_num_threads(1)
+    return args
 
 
 def sample_pngs(guard: Guard, n: int, seed: int = 0) -> list[bytes]:
@@ -105,6 +117,14 @@ def timed(fn, budget: float, min_reps: int = 10, warmup: int = 3) -> list[float]
     return times
 
 
+def guard_features(guard: Guard, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the Guard's detector reads of ``x``, computed as ``Guard.predict`` does: every
+    feature group the bundle ships (not only the transport features), and the predicted classes."""
+    with torch.inference_mode(), guard._extractor as fx:
+        logits = guard.model(x.to(guard.device, torch.float32))
+        return fx.features(), logits.argmax(dim=1)
+
+
 def in_process(guard: Guard, blobs: list[bytes], sizes: list[int], budget: float) -> dict:
     arrays = [decode_image(b, max_pixels=1 << 24) for b in blobs]
     pool = guard.prepare(arrays)
@@ -115,9 +135,7 @@ def in_process(guard: Guard, blobs: list[bytes], sizes: list[int], budget: float
         throughput[size] = size / statistics.median(times)
     # detector share at batch 256: the detector module alone on precomputed features
     x256 = pool[np.arange(256) % len(pool)]
-    features, logits = extract_features(guard.model, x256.numpy())
-    f = torch.from_numpy(features).to(guard.device)
-    labels = torch.from_numpy(logits.argmax(1)).to(guard.device)
+    f, labels = guard_features(guard, x256)
 
     def detector_only() -> None:
         with torch.inference_mode():
@@ -142,7 +160,7 @@ def in_process(guard: Guard, blobs: list[bytes], sizes: list[int], budget: float
     }
 
 
-def start_local_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_local_server(args: argparse.Namespace) -> tuple[Server, str]:
     flags = [
         "--device",
         args.device,
@@ -151,15 +169,15 @@ def start_local_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]
         "--max-wait-ms",
         str(args.max_wait_ms),
     ]
-    return start_server(
-        args.bundle, flags=flags, env={"LAPGUARD_MAX_QUEUE": str(max(512, 4 * args.clients))}
-    )
+    env = {"LAPGUARD_MAX_QUEUE": str(max(512, 4 * args.clients))}
+    return start_server(args.bundle, flags=flags, env=env, in_process=args.small)
 
 
 async def load(
-    url: str, blobs: list[bytes], clients: int, total: int, time_limit: float
+    url: str, blobs: list[bytes], clients: int, total: int, time_limit: float, warmup: float
 ) -> tuple[list[float], float, int]:
-    """``clients`` concurrent loops of single-image requests until ``total`` or ``time_limit``."""
+    """``clients`` concurrent loops of single-image requests until ``total`` or ``time_limit``,
+    after ``warmup`` seconds of them."""
     latencies: list[float] = []
     errors = 0
     issued = 0
@@ -183,7 +201,7 @@ async def load(
                     errors += 1
 
         # warm-up: connections opened, batcher running
-        warm = time.perf_counter() + 10
+        warm = time.perf_counter() + warmup
         await asyncio.gather(*(worker(k, warm) for k in range(clients)))
         latencies.clear()
         issued, errors = 0, 0
@@ -207,10 +225,10 @@ def wrk_multipart(url: str, blob: bytes, clients: int, seconds: float) -> dict[s
 
 
 def run_httpx(
-    url: str, blobs: list[bytes], clients: int, total: int, seconds: float
+    url: str, blobs: list[bytes], clients: int, total: int, seconds: float, warmup: float = 10.0
 ) -> dict[str, float]:
     """The same measurement with httpx clients in this process (when wrk is missing)."""
-    latencies, wall, errors = asyncio.run(load(url, blobs, clients, total, seconds))
+    latencies, wall, errors = asyncio.run(load(url, blobs, clients, total, seconds, warmup))
     if not latencies:
         raise SystemExit(f"no successful requests ({errors} errors)")
     p50, p99 = np.percentile(np.asarray(latencies) * 1000, [50, 99])
@@ -223,8 +241,8 @@ def run_httpx(
     }
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     guard = Guard.from_bundle(args.bundle, device=args.device)
     blobs = sample_pngs(guard, 256)
@@ -245,15 +263,17 @@ def main() -> None:
     generator = args.load_generator
     if generator == "wrk":
         ensure_wrk()
+    elif args.small:
+        print("wrk is not installed: the small mode loads the server with httpx instead")
     process, url = start_local_server(args)
     try:
 
         def measure(clients: int, seconds: float) -> dict[str, float]:
             if generator == "wrk":
                 return wrk_multipart(url, blobs[0], clients, seconds)
-            return run_httpx(url, blobs, clients, args.requests, seconds)
+            return run_httpx(url, blobs, clients, args.requests, seconds, args.warmup)
 
-        measure(args.clients, 5.0)  # warm-up: connections, batcher, allocator
+        measure(args.clients, args.warmup)  # warm-up: connections, batcher, allocator
         before = httpx.get(url + "/metrics", timeout=5).text
         loaded = measure(args.clients, args.time_limit)
         after = httpx.get(url + "/metrics", timeout=5).text

@@ -1,8 +1,8 @@
-"""The floor of ``benchmarks/service_peers.py``: a bare ASGI app (no framework, no validation, no
+"""The floor of :mod:`benchmarks.service_peers`: a bare ASGI app (no framework, no validation, no
 metrics) under the same uvicorn as lapguard, that reads the body, decodes the PNGs and runs the
 Guard, batching what arrives while the Guard computes (as lapguard's micro-batcher does).
 
-    python benchmarks/peers/floor_app.py BUNDLE PORT
+    python -m benchmarks.peers.floor_app BUNDLE PORT
 """
 
 from __future__ import annotations
@@ -10,17 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import uvicorn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from v2_images import decode_v2_images, predict_images, torch_threads, v2_outputs  # noqa: E402
-
-from detector.guard import Guard  # noqa: E402
+from benchmarks.peers.v2_images import decode_v2_images, predict_images, torch_threads, v2_outputs
+from detector.guard import Guard
 
 MAX_BATCH = 64
 Pending = tuple[list[np.ndarray], "asyncio.Future[list[dict]]"]

@@ -1,4 +1,4 @@
-"""The MLServer peer of ``benchmarks/service_peers.py``: a custom runtime serving the bundle's Guard
+"""The MLServer peer of :mod:`benchmarks.service_peers`: a custom runtime serving the bundle's Guard
 over MLServer's Open Inference Protocol, with its adaptive batching on (set in model-settings.json
 by the benchmark). Runs in the peers' virtual environment."""
 
@@ -9,8 +9,8 @@ import asyncio
 import torch
 from mlserver import MLModel
 from mlserver.types import InferenceRequest, InferenceResponse, ResponseOutput
-from v2_images import decode_b64_images, predict_images, torch_threads, v2_outputs
 
+from benchmarks.peers.v2_images import decode_b64_images, predict_images, torch_threads, v2_outputs
 from detector.guard import Guard
 
 

@@ -1,8 +1,8 @@
-"""The Ray Serve peer of ``benchmarks/service_peers.py``: one deployment whose ``@serve.batch``
+"""The Ray Serve peer of :mod:`benchmarks.service_peers`: one deployment whose ``@serve.batch``
 method scores the images of the requests that arrive together. Runs in the peers' virtual
 environment until SIGTERM.
 
-    python benchmarks/peers/ray_app.py BUNDLE PORT
+    python -m benchmarks.peers.ray_app BUNDLE PORT
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 import sys
-from pathlib import Path
 
 import numpy as np
 import ray
@@ -19,10 +18,8 @@ import torch
 from ray import serve
 from starlette.requests import Request
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from v2_images import decode_v2_images, predict_images, torch_threads, v2_outputs  # noqa: E402
-
-from detector.guard import Guard  # noqa: E402
+from benchmarks.peers.v2_images import decode_v2_images, predict_images, torch_threads, v2_outputs
+from detector.guard import Guard
 
 CPUS = os.cpu_count() or 1
 

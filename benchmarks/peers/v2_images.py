@@ -1,4 +1,4 @@
-"""What the peer servers of ``benchmarks/service_peers.py`` share: the Open Inference Protocol body
+"""What the peer servers of :mod:`benchmarks.service_peers` share: the Open Inference Protocol body
 every server receives (one BYTES input ``image`` of base64 PNGs, as lapguard's ``/v2`` accepts it),
 read into decoded images, and the answer (``label``, ``flagged``, ``score``) written back."""
 
