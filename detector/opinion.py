@@ -5,7 +5,7 @@ A minimal perturbation (CW, DeepFool, a small-ε step) is made for one network: 
 network's prediction across the nearest boundary and rarely moves another network's. A clean image
 is read alike by both. On the quick run's training side, the vanilla network agrees with the LAP
 network's prediction on 95.9% of clean images but on 8.5% of LAP's CW images and 10.1% of its
-DeepFool images (``benchmarks/second_opinion.py``). The group's three columns: whether the second
+DeepFool images (docs/decisions.md, "Second network's opinion"). The group's three columns: whether the second
 network's top class is the deployed network's prediction, the log of its probability of that
 class, and its max probability. It costs one forward pass of the second network, which keeps its
 autograd graph: an adaptive attacker differentiates through both networks.

@@ -430,7 +430,7 @@ class _Protocols:
         abnormal row, a detector fitted on a few hundred CW images learns clean from as few
         and flags the network's own low-margin clean images; ``ood_clean_ratio`` > 1 (None:
         every clean training row, the noised copies included when the run adds them) gives it
-        more (``benchmarks/ood_clean_ratio.py``)."""
+        more (docs/decisions.md, "OOD clean ratio")."""
         if train_key in self.attacks:
             source = self.attacks[train_key]
             train_abnormal = sides.split.train(source)
