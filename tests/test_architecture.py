@@ -29,7 +29,7 @@ def _lint_imports() -> Path:
 
 
 def _python_files() -> list[Path]:
-    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+    return sorted(p for folder in (*PACKAGES, "benchmarks") for p in (ROOT / folder).rglob("*.py"))
 
 
 def _user_text_files() -> list[Path]:
