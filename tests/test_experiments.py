@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -14,6 +16,7 @@ from detector.metrics import detection_metrics
 from detector.novelty import NoveltyDetector
 from detector.quantile import QuantileDetector
 from training.evaluation.protocols import (
+    ExperimentRecord,
     Samples,
     Sides,
     Split,
@@ -69,7 +72,7 @@ def _count_fits(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
 
 
 @pytest.fixture
-def world() -> tuple[Samples, dict[str, Samples], dict[str, Samples]]:
+def world() -> World:
     rng = np.random.default_rng(0)
     universe = np.arange(400)
     clean = _samples("clean", universe, 0.0, rng)
@@ -84,6 +87,17 @@ def world() -> tuple[Samples, dict[str, Samples], dict[str, Samples]]:
     return clean, attacks, ood
 
 
+World = tuple[Samples, dict[str, Samples], dict[str, Samples]]
+
+
+def _run(world: World, **options: Any) -> list[ExperimentRecord]:
+    """The protocols on ``world``'s clean, attacked and OOD sets, for the "lap" network, quietly."""
+    clean, attacks, ood = world
+    return run_protocols(
+        model="lap", clean=clean, attacks=attacks, ood_sets=ood, progress=False, **options
+    )
+
+
 def test_split_sides_are_disjoint_and_sized() -> None:
     split = Split(seed=3, test_fraction=0.1, universe=1000)
     assert split.is_test.sum() == 100
@@ -95,19 +109,14 @@ def test_split_sides_are_disjoint_and_sized() -> None:
 
 
 def test_protocols_are_leak_free_and_report_mean_and_std(world) -> None:
-    clean, attacks, ood = world
     RecordingTransportDetector.fitted_on = []
-    records = run_protocols(
-        model="lap",
-        clean=clean,
-        attacks=attacks,
-        ood_sets=ood,
+    records = _run(
+        world,
         detectors=[RecordingTransportDetector(n_estimators=20)],
         seen=["fgm", "cw"],
         unseen_train="fgm",
         ood_train=["fgm", "digits"],
         seeds=[0, 1, 2],
-        progress=False,
     )
     rows = {(r.setting, r.train, r.test): r.row() for r in records}
     assert set(rows) == {
@@ -152,15 +161,11 @@ class RecordingAbnormal(TransportDetector):
 def test_a_set_kept_for_training_is_learnt_whole_and_never_tested_on(world) -> None:
     """The OOD protocol's synthetic set (the seed's experiment on another distribution) trains a
     detector that is tested on every OOD set, with every one of its rows; no row tests it."""
-    clean, attacks, ood = world
     rng = np.random.default_rng(5)
     kept = {"synthetic": _samples("ood-synthetic", np.arange(90), 4.0, rng)}
     RecordingAbnormal.abnormal_rows = []
-    records = run_protocols(
-        model="lap",
-        clean=clean,
-        attacks=attacks,
-        ood_sets=ood,
+    records = _run(
+        world,
         detectors=[RecordingAbnormal(n_estimators=10)],
         seen=[],
         unseen_train=None,
@@ -168,7 +173,6 @@ def test_a_set_kept_for_training_is_learnt_whole_and_never_tested_on(world) -> N
         seeds=[0, 1],
         ood_clean_ratio=None,
         ood_train_sets=kept,
-        progress=False,
     )
     pairs = {(r.train, r.test) for r in records}
     assert pairs == {("synthetic", "digits"), ("synthetic", "noise"), ("digits", "noise")}
@@ -184,26 +188,14 @@ def test_the_ensemble_reuses_the_transport_forests_and_scores_as_if_fitted_alone
 ) -> None:
     from detector.ensemble import EnsembleDetector
 
-    clean, attacks, ood = world
     fits = _count_fits(monkeypatch, TransportDetector)
     params = {"n_estimators": 10, "min_class_samples": 5}
-    common = dict(
-        model="lap",
-        clean=clean,
-        attacks=attacks,
-        ood_sets=ood,
-        seen=["fgm", "cw"],
-        unseen_train="fgm",
-        ood_train=["fgm", "digits"],
-        seeds=[0, 1],
-        progress=False,
-    )
-    both = run_protocols(
-        detectors=[TransportDetector(**params), EnsembleDetector(**params)],
-        **common,
+    common = dict(seen=["fgm", "cw"], unseen_train="fgm", ood_train=["fgm", "digits"], seeds=[0, 1])
+    both = _run(
+        world, detectors=[TransportDetector(**params), EnsembleDetector(**params)], **common
     )
     assert len(fits) == 2 * 5  # every training side is drawn from the seed alone: all reused
-    alone = run_protocols(detectors=[EnsembleDetector(**params)], **common)
+    alone = _run(world, detectors=[EnsembleDetector(**params)], **common)
     # Seen and unseen sides draw no shared random numbers: the same rows, the same results.
     reused = [r.row() for r in both if r.detector == "ensemble" and r.setting != "ood"]
     assert len(reused) == 3 and reused == [r.row() for r in alone if r.setting != "ood"]
@@ -217,20 +209,16 @@ def test_what_learns_from_clean_images_only_learns_from_every_clean_training_ima
     those of an ensemble fitted so by hand, not those of one fitted on the sources alone (the
     parts fitted for FGM first, reused as they are). A clean-only detector (QT) learns from
     every clean training image too."""
-    clean, attacks, ood = world
+    clean, attacks, _ = world
     params = {"n_estimators": 10, "min_class_samples": 5}
     fits = _count_fits(monkeypatch, NoveltyDetector)
-    _, record, _, quantile = run_protocols(
-        model="lap",
-        clean=clean,
-        attacks=attacks,
-        ood_sets=ood,
+    _, record, _, quantile = _run(
+        world,
         detectors=[EnsembleDetector(**params), QuantileDetector()],
         seen=["fgm", "cw"],
         unseen_train=None,
         ood_train=[],
         seeds=[0],
-        progress=False,
     )
     assert (record.train, quantile.train, quantile.detector) == ("cw", "cw", "quantile")
     assert len(fits) == 1  # the clean-only parts fitted once for both attacks
@@ -259,7 +247,6 @@ def test_the_ood_protocol_fits_on_clean_images_from_the_whole_training_side(worl
     """Trained on an attack whose set covers a few source images (CW: the first 120), the OOD
     detector still sees clean images of the whole training side, the population its clean test
     rows come from, as many as the attack's training rows, the same ones for every detector."""
-    clean, attacks, ood = world
     fitted: list[tuple[np.ndarray, int]] = []
 
     class Recording(TransportDetector):
@@ -267,14 +254,13 @@ def test_the_ood_protocol_fits_on_clean_images_from_the_whole_training_side(worl
             fitted.append((clean.indices.copy(), len(abnormal)))
             return super().fit_samples(clean, abnormal)
 
-    common = dict(model="lap", clean=clean, attacks=attacks, ood_sets=ood, seen=[])
-    run_protocols(
+    _run(
+        world,
+        seen=[],
         detectors=[Recording(n_estimators=5), Recording(n_estimators=5)],
         unseen_train=None,
         ood_train=["cw"],
         seeds=[0],
-        progress=False,
-        **common,
     )
     (first, n_abnormal), (second, _) = fitted
     train_side = ~Split(0, 0.1, 400).is_test & ~Split(0, 0.1, 400).is_calibration
@@ -288,7 +274,6 @@ def test_the_ood_protocol_takes_as_many_clean_rows_per_abnormal_row_as_asked(wor
     training side; where the clean side has no more rows than the attack (FGM covers every
     source image) the seed's balanced rows; None: every clean training row; 1 draws the seed's
     balanced rows, as the default."""
-    clean, attacks, ood = world
     fitted: list[tuple[str, np.ndarray, int]] = []
 
     class Recording(TransportDetector):
@@ -298,17 +283,13 @@ def test_the_ood_protocol_takes_as_many_clean_rows_per_abnormal_row_as_asked(wor
 
     def fits(**ratio: float | None) -> list[tuple[str, np.ndarray, int]]:
         fitted.clear()
-        run_protocols(
-            model="lap",
-            clean=clean,
-            attacks=attacks,
-            ood_sets=ood,
+        _run(
+            world,
             seen=[],
             detectors=[Recording(n_estimators=5)],
             unseen_train=None,
             ood_train=["cw", "fgm"],
             seeds=[0],
-            progress=False,
             **ratio,
         )
         return list(fitted)
@@ -379,8 +360,7 @@ def test_every_detector_is_tested_on_the_same_ood_rows_whatever_ran_before_it(wo
     """An OOD row's balanced test draw depends on the seed and the row only: the transport
     detector scores the same rows whether or not another detector's protocols ran first, so the
     detectors' OOD rows are paired (and the evaluation may run them in any grouping)."""
-    clean, attacks, ood = world
-    common = dict(model="lap", clean=clean, attacks=attacks, ood_sets=ood, seen=[])
+    _, _, ood = world
 
     class Recording(TransportDetector):
         scored: list[np.ndarray] = []
@@ -391,13 +371,13 @@ def test_every_detector_is_tested_on_the_same_ood_rows_whatever_ran_before_it(wo
 
     def scored_rows(detectors: list) -> list[np.ndarray]:
         Recording.scored = []
-        run_protocols(
+        _run(
+            world,
+            seen=[],
             detectors=detectors,
             unseen_train=None,
             ood_train=["fgm", "digits"],
             seeds=[0, 1],
-            progress=False,
-            **common,
         )
         return Recording.scored
 

@@ -121,13 +121,22 @@ def _extracted(
         return fx.features(), fx.feature_names
 
 
+def _group_features(
+    network: torch.nn.Module, n: int, spec: FeatureSpec, label: str
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """(images, features, column names) of ``n`` banded images under ``spec``, whose columns are
+    ``spec.names(2)`` and whose label is ``label``."""
+    x = _banded_images(n)
+    features, names = _extracted(network, spec, x)
+    assert names == spec.names(2) and spec.label() == label
+    return x, features, names
+
+
 def test_image_group_is_the_spatial_statistics_of_the_network_input(
     tiny_network: torch.nn.Module,
 ) -> None:
-    x = _banded_images(5)
     spec = FeatureSpec(image=True, start=True, head=True)
-    features, names = _extracted(tiny_network, spec, x)
-    assert names == spec.names(2) and spec.label() == "residues+image+start+head"
+    x, features, names = _group_features(tiny_network, 5, spec, "residues+image+start+head")
     assert names.index("image_msq") < names.index("start_msq") < names.index("head_margin")
     first = names.index("image_msq")
     np.testing.assert_allclose(
@@ -140,10 +149,8 @@ def test_image_group_is_the_spatial_statistics_of_the_network_input(
 def test_nss_group_is_the_scene_statistics_of_the_image_in_the_networks_range(
     tiny_network: torch.nn.Module,
 ) -> None:
-    x = _banded_images(6)
     spec = FeatureSpec(image=True, nss=True, head=True)
-    features, names = _extracted(tiny_network, spec, x)
-    assert names == spec.names(2) and spec.label() == "residues+image+nss+head"
+    x, features, names = _group_features(tiny_network, 6, spec, "residues+image+nss+head")
     assert names.index("image_spread_q50") + 1 == names.index("nss_s0_ggd_shape")
     assert names.index("nss_s1_d2_right_var") + 1 == names.index("head_margin")
     first = names.index("nss_s0_ggd_shape")

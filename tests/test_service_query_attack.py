@@ -119,15 +119,16 @@ def test_openapi_documents_query_attack(flagging_server: LiveServer) -> None:
     assert prediction["properties"]["query_attack"]["type"] == "boolean"
 
 
+def _redis_settings(bundle: Path, redis_url: str, **query: object) -> Settings:
+    """The query memory in the Redis at ``redis_url`` (shared by every server so set)."""
+    return _settings(bundle, query_memory="redis", redis_url=redis_url, **query)
+
+
 def test_replicas_sharing_redis_refuse_an_attacking_client_for_the_cool_down(
     service_bundle: Path, guard, redis_url: str, fashion: np.ndarray
 ) -> None:
-    settings = _settings(
-        service_bundle,
-        query_memory="redis",
-        redis_url=redis_url,
-        query_attack_action="429",
-        query_cooldown_s=1.0,
+    settings = _redis_settings(
+        service_bundle, redis_url, query_attack_action="429", query_cooldown_s=1.0
     )
     with LiveServer(settings, guard=guard) as a, LiveServer(settings, guard=guard) as b:
         replicas = [a.url, b.url]
@@ -150,10 +151,9 @@ def test_replicas_sharing_redis_refuse_an_attacking_client_for_the_cool_down(
 def test_v2_refusal_uses_the_inference_protocol_error_shape(
     service_bundle: Path, guard, redis_url: str, fashion: np.ndarray
 ) -> None:
-    settings = _settings(
+    settings = _redis_settings(
         service_bundle,
-        query_memory="redis",
-        redis_url=redis_url,
+        redis_url,
         query_attack_action="403",
         query_cooldown_s=30.0,
         query_client="address",
@@ -179,9 +179,7 @@ def test_an_unreachable_redis_serves_unchecked_and_counts_it(
     with socket.socket() as s:  # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    settings = _settings(
-        service_bundle, query_memory="redis", redis_url=f"redis://127.0.0.1:{closed}/0"
-    )
+    settings = _redis_settings(service_bundle, f"redis://127.0.0.1:{closed}/0")
     with LiveServer(settings, guard=guard) as live:
         response = _predict(live.url, [_png(fashion[4])])
         assert response.status_code == 200, response.text
