@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import small
 from training.attacks.sets import attack_images, get_or_generate
 from training.rundir import RunDir
 
@@ -75,12 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help=f"seconds, not minutes: {', '.join(SMALL_ATTACKS)} on {SMALL_N} images each, 1 thread",
     )
-    args = parser.parse_args(argv)
-    if args.small:
-        args.threads = args.threads or 1
-        args.only = [a for a in args.only or SMALL_ATTACKS if a in SMALL_ATTACKS]
-        args.n = [*args.n, *(f"{a}={SMALL_N}" for a in args.only)]
-    return args
+    return small.parse(
+        parser,
+        argv,
+        threads=small.threads_or_one,
+        only=lambda args: [a for a in args.only or SMALL_ATTACKS if a in SMALL_ATTACKS],
+        n=lambda args: [*args.n, *(f"{a}={SMALL_N}" for a in args.only)],
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from art.attacks.evasion import (
     ElasticNet,
     NewtonFool,
@@ -36,6 +35,7 @@ from art.attacks.evasion import (
     SquareAttack,
 )
 
+from benchmarks import small
 from benchmarks.ood_probe import served_rows
 from detector import artefacts
 from detector.bundle import read_manifest
@@ -115,11 +115,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"seconds: 4 images, {' and '.join(SMALL)}, 1 torch thread, the server in a thread "
         "of this process",
     )
-    args = p.parse_args(argv)
-    if args.small:
-        args.n, args.attacks = 4, [a for a in args.attacks if a in SMALL] or SMALL
-        torch.set_num_threads(1)
-    return args
+    return small.parse(
+        p,
+        argv,
+        n=4,
+        attacks=lambda args: [a for a in args.attacks if a in SMALL] or SMALL,
+        one_torch_thread=True,
+    )
 
 
 def held_out_images(run: PipelineRun, classifier: Any, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import small
 from benchmarks.local_server import ROOT, Server, start_server, stop_server
 from detector.guard import Guard
 from training.cli.main import main as cli_main
@@ -61,11 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds: 256 images, batch 64, once, no loader processes, 1 torch thread, the "
         "server in a thread of this process",
     )
-    args = p.parse_args(argv)
-    if args.small:
-        args.n, args.batch_size, args.url_batch_size, args.repeat, args.workers = 256, 64, 32, 1, 0
-        torch.set_num_threads(1)
-    return args
+    return small.parse(
+        p, argv, n=256, batch_size=64, url_batch_size=32, repeat=1, workers=0, one_torch_thread=True
+    )
 
 
 def guard_throughput(guard: Guard, x: torch.Tensor, batch_size: int, repeat: int) -> float:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import small
 from detector import networks
 from detector.features import TransportFeatureExtractor, extract_features
 from detector.forest import TransportDetector
@@ -120,11 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="seconds, not minutes: 128 images, batch 64, 10 trees, 2 repeats, 1 thread",
     )
-    args = parser.parse_args(argv)
-    if args.small:  # one thread: two on two busy cores can stall 30x in OpenMP's barriers
-        args.images, args.batch, args.trees, args.repeats = 128, 64, 10, 2
-        args.threads = args.threads or 1
-    return args
+    return small.parse(
+        parser, argv, images=128, batch=64, trees=10, repeats=2, threads=small.threads_or_one
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks import small
 from detector.networks import InputSpec, NetworkConfig, build_network, resolve_device
 from training.data.datasets import dataset_info, load_dataset, subset
 from training.trainer.initialization import init_weights
@@ -40,11 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds, not minutes: width 8, 2 blocks, 128 images, batch 64, one epoch each, "
         "1 thread",
     )
-    args = parser.parse_args(argv)
-    if args.small:
-        args.images, args.repeats, args.batch_size, args.width, args.depth = 128, 1, 64, 8, 2
-        args.threads = args.threads or 1
-    return args
+    return small.parse(parser, argv, images=128, repeats=1, batch_size=64, width=8, depth=2,
+                       threads=small.threads_or_one)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

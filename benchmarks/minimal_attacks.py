@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import small
 from detector.networks import load
 from training.attacks.registry import generate, predict_labels
 from training.attacks.sets import attack_images
@@ -103,10 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="seconds, not minutes: 2 images, the last parameter set of each pair, 1 thread",
     )
-    args = parser.parse_args(argv)
-    if args.small:
-        args.n, args.threads = 2, args.threads or 1
-    return args
+    return small.parse(parser, argv, n=2, threads=small.threads_or_one)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import small
 from benchmarks.local_server import start_server, stop_server
 from detector.bundle import read_manifest
 from detector.errors import DataNotFoundError
@@ -58,10 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="seconds: 8 images a set, no MNIST, the server in a thread of this process",
     )
-    args = p.parse_args(argv)
-    if args.small:
-        args.n, args.n_mnist = 8, 0
-    return args
+    return small.parse(p, argv, n=8, n_mnist=0)
 
 
 def probe_sets(manifest, args: argparse.Namespace) -> dict[str, np.ndarray]:

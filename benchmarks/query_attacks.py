@@ -36,6 +36,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from benchmarks import small
 from benchmarks.local_server import start_server, stop_server
 from training.data.datasets import load_dataset, to_arrays
 
@@ -247,16 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds: one Square run, 2 benign clients of 8 images, the server in a thread of "
         "this process",
     )
-    args = parser.parse_args(argv)
-    if args.small:
-        args.runs, args.attacks, args.clients, args.images, args.candidates = (
-            1,
-            ["square"],
-            2,
-            8,
-            64,
-        )
-    return args
+    return small.parse(parser, argv, runs=1, attacks=["square"], clients=2, images=8, candidates=64)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks import small
 from benchmarks.local_server import start_server, stop_server
 from service.query_memory import (
     InProcessStore,
@@ -221,10 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds: 300 test images calibrate, 300 stored queries, 20 repeats and rounds, the "
         "servers in threads of this process",
     )
-    args = parser.parse_args(argv)
-    if args.small:
-        args.calibration_images, args.stored, args.repeats, args.rounds = 300, 300, 20, 20
-    return args
+    return small.parse(parser, argv, calibration_images=300, stored=300, repeats=20, rounds=20)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from benchmarks import small
 from benchmarks.httpx_load import run_httpx
 from benchmarks.peer_servers import SERVERS, PeerServer, ensure_peers_venv
 from benchmarks.peers.v2_images import v2_body
@@ -81,13 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds: lapguard and the floor on 1 thread, 0.5 s per scenario, 1 round, httpx "
         "unless wrk is installed",
     )
-    args = p.parse_args(argv)
-    if args.small:
-        args.servers, args.peer_threads, args.torch_threads = "lapguard,floor", "1", 1
-        args.seconds, args.warmup, args.rounds = 0.5, 0.0, 1
-        if shutil.which("wrk") is None:
-            args.load_generator = "httpx"
-    return args
+    return small.parse(p, argv, servers="lapguard,floor", peer_threads="1", torch_threads=1,
+                       seconds=0.5, warmup=0.0, rounds=1,
+                       load_generator=small.httpx_unless_wrk)  # fmt: skip
 
 
 def check_answers(server: PeerServer, guard: Guard, pngs: list[bytes]) -> None:

@@ -52,6 +52,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from benchmarks import small
 from benchmarks.local_server import Server, start_server, stop_server
 
 #: Kind of request -> (share of the requests, expected statuses). 503 is also expected of any
@@ -95,10 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="seconds: 6 s of 4 clients, 2 s windows, the server in a thread of this process",
     )
-    args = p.parse_args(argv)
-    if args.small:
-        args.minutes, args.clients, args.window = 0.1, 4, 2.0
-    return args
+    return small.parse(p, argv, minutes=0.1, clients=4, window=2.0)
 
 
 # ---- requests -------------------------------------------------------------------------------
