@@ -16,8 +16,8 @@ Prints:
 
 The server is `lapguard serve` in a subprocess on 127.0.0.1 (a free port). The load generator is
 `wrk` (C, so that it takes little of the cores the server needs; installed with apt-get when
-missing), or httpx in this process with ``--load-generator httpx``; it is bounded by --time-limit
-(and --requests for httpx). Benchmark alone: other jobs on the cores skew everything.
+missing), or httpx in this process with ``--load-generator httpx``; either sends one PNG per
+request, the same one, and is bounded by --time-limit (and --requests for httpx). Benchmark alone: other jobs on the cores skew everything.
 ``--small`` (the tests) serves in a thread of this process, for a second of 4 clients, with httpx
 when ``wrk`` is not installed (it never installs it).
 """
@@ -25,10 +25,8 @@ when ``wrk`` is not installed (it never installs it).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import io
 import os
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -38,6 +36,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks import small
+from benchmarks.httpx_load import run_httpx
 from benchmarks.local_server import Server, start_server, stop_server
 from benchmarks.wrk_load import ensure_wrk, run_wrk
 from detector.guard import Guard
@@ -75,14 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds: batches 1 and 8, 4 clients for 1 s, 1 torch thread, the server in a "
         "thread of this process, httpx unless wrk is installed",
     )
-    args = p.parse_args(argv)
-    if args.small:
-        args.batch_sizes, args.seconds_per_size, args.clients, args.requests = "1,8", 0.05, 4, 500
-        args.time_limit, args.single_client_seconds, args.warmup = 1.0, 1.0, 0.5
-        if shutil.which("wrk") is None:
-            args.load_generator = "httpx"
-        torch.set_num_threads(1)
-    return args
+    return small.parse(p, argv, batch_sizes="1,8", seconds_per_size=0.05, clients=4, requests=500,
+                       time_limit=1.0, single_client_seconds=1.0, warmup=0.5,
+                       load_generator=small.httpx_unless_wrk, one_torch_thread=True)  # fmt: skip
 
 
 def sample_pngs(guard: Guard, n: int, seed: int = 0) -> list[bytes]:
@@ -173,72 +168,11 @@ def start_local_server(args: argparse.Namespace) -> tuple[Server, str]:
     return start_server(args.bundle, flags=flags, env=env, in_process=args.small)
 
 
-async def load(
-    url: str, blobs: list[bytes], clients: int, total: int, time_limit: float, warmup: float
-) -> tuple[list[float], float, int]:
-    """``clients`` concurrent loops of single-image requests until ``total`` or ``time_limit``,
-    after ``warmup`` seconds of them."""
-    latencies: list[float] = []
-    errors = 0
-    issued = 0
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
-
-        async def worker(k: int, deadline: float) -> None:
-            nonlocal issued, errors
-            i = k
-            while issued < total and time.perf_counter() < deadline:
-                issued += 1
-                blob = blobs[i % len(blobs)]
-                i += clients
-                start = time.perf_counter()
-                response = await client.post(
-                    "/v1/predict", files={"files": ("x.png", blob, "image/png")}
-                )
-                if response.status_code == 200:
-                    latencies.append(time.perf_counter() - start)
-                else:
-                    errors += 1
-
-        # warm-up: connections opened, batcher running
-        warm = time.perf_counter() + warmup
-        await asyncio.gather(*(worker(k, warm) for k in range(clients)))
-        latencies.clear()
-        issued, errors = 0, 0
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(k, started + time_limit) for k in range(clients)))
-        wall = time.perf_counter() - started
-    return latencies, wall, errors
-
-
-def wrk_multipart(url: str, blob: bytes, clients: int, seconds: float) -> dict[str, float]:
-    """``wrk`` POSTing one PNG per request to /v1/predict (multipart, as a browser or `curl -F`
-    sends it) from ``clients`` connections for ``seconds``."""
-    request = httpx.Request("POST", url, files={"files": ("x.png", blob, "image/png")})
-    return run_wrk(
-        url + "/v1/predict",
-        request.read(),
-        request.headers["content-type"],
-        clients=clients,
-        seconds=seconds,
-    )
-
-
-def run_httpx(
-    url: str, blobs: list[bytes], clients: int, total: int, seconds: float, warmup: float = 10.0
-) -> dict[str, float]:
-    """The same measurement with httpx clients in this process (when wrk is missing)."""
-    latencies, wall, errors = asyncio.run(load(url, blobs, clients, total, seconds, warmup))
-    if not latencies:
-        raise SystemExit(f"no successful requests ({errors} errors)")
-    p50, p99 = np.percentile(np.asarray(latencies) * 1000, [50, 99])
-    return {
-        "rate": len(latencies) / wall,
-        "requests": float(len(latencies)),
-        "p50": float(p50),
-        "p99": float(p99),
-        "errors": float(errors),
-    }
+def multipart_png(blob: bytes) -> tuple[bytes, str]:
+    """The body and content type of a request of one PNG, multipart (as a browser or `curl -F`
+    sends it): what either load generator POSTs to /v1/predict."""
+    request = httpx.Request("POST", "/", files={"files": ("x.png", blob, "image/png")})
+    return request.read(), request.headers["content-type"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,13 +199,16 @@ def main(argv: list[str] | None = None) -> None:
         ensure_wrk()
     elif args.small:
         print("wrk is not installed: the small mode loads the server with httpx instead")
+    body, content_type = multipart_png(blobs[0])
     process, url = start_local_server(args)
     try:
+        predict = url + "/v1/predict"
 
         def measure(clients: int, seconds: float) -> dict[str, float]:
             if generator == "wrk":
-                return wrk_multipart(url, blobs[0], clients, seconds)
-            return run_httpx(url, blobs, clients, args.requests, seconds, args.warmup)
+                return run_wrk(predict, body, content_type, clients=clients, seconds=seconds)
+            return run_httpx(predict, body, content_type, clients=clients, seconds=seconds,
+                             requests=args.requests, warmup=args.warmup)  # fmt: skip
 
         measure(args.clients, args.warmup)  # warm-up: connections, batcher, allocator
         before = httpx.get(url + "/metrics", timeout=5).text
