@@ -54,11 +54,6 @@ SYNTHETIC_FAMILY = "synthetic"  # the family name of the synthetic outliers' row
 OPERATING_FPRS = (0.01, 0.02, 0.1)
 
 
-def deployable_detectors() -> list[str]:
-    """Detectors that can ship: the registered ones with a torch form the Guard serves."""
-    return list_detectors(servable=True)
-
-
 @dataclass(frozen=True)
 class Deployed:
     """A deployable detector fitted and calibrated on one split, with the Guard's scores of that
@@ -148,10 +143,9 @@ def deploy(run: PipelineRun, detector: str, split_seed: int) -> Deployed:
     network's own validation images and its own clean fitting images' held-out scores
     (:func:`calibration_clean_scores`); and score
     the held-out side of every attack set and every OOD set, all through the Guard."""
-    if detector not in deployable_detectors():
-        raise ConfigError(
-            f"detector {detector!r} cannot be deployed; choose one of {deployable_detectors()}"
-        )
+    servable = list_detectors(servable=True)  # a torch form the Guard serves
+    if detector not in servable:
+        raise ConfigError(f"detector {detector!r} cannot be deployed; choose one of {servable}")
     config, name = run.config, run.config.deploy_model
     n_synthetic = config.deploy_synthetic_outliers if detector == "ensemble" else 0
     data = run.samples(name)
