@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 
 # Tools the tests run that pip cannot install: Debian's docker-compose (validates the compose file
 # without an engine), redis-server (the query-memory tests start their own on a loopback port) and
-# headless chromium + chromedriver (the page's browser test, driven by Selenium).
-# apt-get runs only when the command is absent; `apt-get update` if lists lack.
+# headless chromium + chromedriver (the page's browser test, driven by Selenium), kubectl (renders
+# docker/kubernetes with its kustomize; Debian's kubernetes-client when absent, though the overlays
+# need kubectl 1.27+, whose kustomize is v5). apt-get runs only when the command is absent;
+# `apt-get update` if lists lack.
 system-tools:
 	@command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || { \
 	  export DEBIAN_FRONTEND=noninteractive; \
@@ -34,6 +36,10 @@ system-tools:
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y -qq chromium chromium-driver >/dev/null \
 	  || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }; }
+	@command -v kubectl >/dev/null || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq kubernetes-client >/dev/null \
+	  || { apt-get update -qq && apt-get install -y -qq kubernetes-client >/dev/null; }; }
 
 # Lay out the embedded Fashion-MNIST where torchvision expects it (installs Debian's package when it can).
 data: setup

@@ -48,7 +48,7 @@ def create_app(settings: Settings | None = None, guard: Guard | None = None) -> 
     )
     app.state.runtime = runtime
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, settings)
     # Added innermost first: the request context (ids, log, metrics) wraps the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestContextMiddleware, metrics=runtime.metrics)

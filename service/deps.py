@@ -96,6 +96,9 @@ API_KEY_REQUIRED: list[Dependency] = [*_KEY_SCHEMES, Depends(require_api_key)]
 #: cost ~20% of the event loop's time per single-image request.
 API_KEY_SECURITY: list[dict[str, list[str]]] = [{"ApiKey": []}, {"Bearer": []}]
 ADMIN_KEY_REQUIRED: list[Dependency] = [*_KEY_SCHEMES, Depends(require_admin_key)]
+#: The OpenAPI tag of the routes behind the admin key (the document drops their ``security``
+#: when neither key is configured, as it does the API key's when that is not).
+ADMIN_TAG = "admin"
 
 
 def _check_key(request: Request, expected: SecretStr, name: str) -> None:

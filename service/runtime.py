@@ -65,6 +65,16 @@ class ServedResult(GuardResult):
     served: ServedBundle | None = None
 
 
+#: Longest wait, once uvicorn has waited for in-flight requests on stop, for the batch being
+#: computed (capped by the graceful timeout).
+BATCH_CLOSE_TIMEOUT_S = 5.0
+
+
+def batch_close_timeout_s(settings: Settings) -> float:
+    """How long a stop waits for the batch being computed, after the in-flight requests."""
+    return min(BATCH_CLOSE_TIMEOUT_S, settings.graceful_timeout_s)
+
+
 class Runtime:
     """Owns the Guard and the batcher for the lifetime of the app (see ``app.lifespan``)."""
 
@@ -145,7 +155,7 @@ class Runtime:
         if self.batcher is not None:
             # uvicorn has already waited up to the graceful timeout for in-flight requests; what is
             # left is at most the batch being computed.
-            await self.batcher.close(timeout=min(5.0, self.settings.graceful_timeout_s))
+            await self.batcher.close(timeout=batch_close_timeout_s(self.settings))
         if self.query_memory is not None:
             self.query_memory.store.close()
         gc.unfreeze()  # what start-up froze may be collected again (an app embedded in a process)

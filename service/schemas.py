@@ -218,6 +218,8 @@ Datatype = Literal[
     "FP64",
     "BYTES",
 ]
+#: The datatypes the model takes: images as floats [N, C, H, W], or encoded files.
+InputDatatype = Literal["FP32", "FP64", "FP16", "BYTES"]
 
 
 class ServerMetadata(BaseModel):
@@ -253,7 +255,9 @@ class ModelMetadata(BaseModel):
 class RequestInput(BaseModel):
     name: str
     shape: list[StrictInt] = Field(description="tensor shape; FP32 images are [N, C, H, W]")
-    datatype: Datatype
+    datatype: InputDatatype = Field(
+        description="FP32 (or FP16, FP64) images [N, C, H, W], or BYTES encoded files [N]"
+    )
     parameters: dict[str, Any] | None = None
     data: list[Any] | None = Field(default=None, description="row-major values (flat or nested)")
 
@@ -266,7 +270,9 @@ class RequestOutput(BaseModel):
 class InferenceRequest(BaseModel):
     id: str | None = None
     parameters: dict[str, Any] | None = None
-    inputs: list[RequestInput] = Field(min_length=1)
+    inputs: list[RequestInput] = Field(
+        min_length=1, max_length=1, description="one input: FP32 'input' or BYTES 'image'"
+    )
     outputs: list[RequestOutput] | None = None
 
 

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from detector.errors import ArtefactError, ConfigError, LapguardError
 from service.app import create_app
 from service.logs import logging_config
-from service.runtime import Runtime
+from service.runtime import Runtime, batch_close_timeout_s
 from service.settings import Settings
 
 logger = logging.getLogger("lapguard.service")
@@ -69,6 +69,18 @@ class Server(uvicorn.Server):
         task.add_done_callback(self._reloads.discard)
 
 
+def graceful_shutdown_s(settings: Settings) -> int:
+    """How long uvicorn waits for in-flight requests after SIGTERM (whole seconds, at least 1)."""
+    return max(1, math.ceil(settings.graceful_timeout_s))
+
+
+def stop_seconds(settings: Settings) -> float:
+    """The longest a stop takes after SIGTERM: the in-flight requests, then the batch being
+    computed. A supervisor's grace period (Kubernetes' terminationGracePeriodSeconds, less its
+    preStop) must cover it, or the last answers are cut off."""
+    return graceful_shutdown_s(settings) + batch_close_timeout_s(settings)
+
+
 def build_server(settings: Settings, app: FastAPI | None = None) -> Server:
     """A server for ``app`` (default: ``create_app(settings)``), not started."""
     app = app if app is not None else create_app(settings)
@@ -80,7 +92,7 @@ def build_server(settings: Settings, app: FastAPI | None = None) -> Server:
         access_log=False,
         lifespan="on",
         server_header=False,
-        timeout_graceful_shutdown=max(1, math.ceil(settings.graceful_timeout_s)),
+        timeout_graceful_shutdown=graceful_shutdown_s(settings),
         timeout_keep_alive=5,
     )
     return Server(config, app.state.runtime)

@@ -170,7 +170,7 @@ UNDOCUMENTED_BEFORE = {
         "POST /v2/models/{name}/infer",
         {
             "path_parameters": {"name": "tiny"},
-            "body": {"inputs": [{"name": "x", "shape": [1], "datatype": "INT8", "data": [1]}]},
+            "body": {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]},
         },
         400,
     ),

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from fastapi import APIRouter
 
-from service.deps import ADMIN_KEY_REQUIRED, RuntimeDep
+from service.deps import ADMIN_KEY_REQUIRED, ADMIN_TAG, RuntimeDep
 from service.reload import ServedBundle
 from service.schemas import ADMIN_RESPONSES, BundleRef, ReloadRequest, ReloadResponse
 
-router = APIRouter(tags=["admin"])
+router = APIRouter(tags=[ADMIN_TAG])
 
 
 @router.post(

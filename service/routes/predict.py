@@ -31,7 +31,13 @@ IMAGES_BODY = {
                     "type": "object",
                     "required": ["files"],
                     "properties": {
-                        "files": {"type": "array", "items": {"type": "string", "format": "binary"}}
+                        "files": {
+                            "type": "array",
+                            "items": {"type": "string", "format": "binary"},
+                            "minItems": 1,
+                            "description": "one or more image files; the server's "
+                            "max_images_per_request at most (maxItems)",
+                        }
                     },
                 }
             },
