@@ -25,7 +25,6 @@ from detector.guard import GuardResult
 from detector.images import decode_image, image_pixels
 from service.activity import RecentActivity
 from service.batching import Decoded, MicroBatcher, Predict
-from service.heap import HeapKeeper
 from service.errors import (
     NotReadyError,
     QueryAttackBlockedError,
@@ -33,6 +32,7 @@ from service.errors import (
     ReloadRefusedError,
     ServiceError,
 )
+from service.heap import HeapKeeper
 from service.metrics import Metrics
 from service.query_memory import (
     InProcessStore,
