@@ -89,7 +89,7 @@ def answered(method: Handler) -> Handler:
     return handle
 
 
-class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """The protocol's health, metadata and inference calls on one :class:`Runtime`."""
 
     def __init__(self, runtime: Runtime) -> None:
