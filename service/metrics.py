@@ -49,10 +49,7 @@ class Metrics:
         )
         grpc_labels = ["method", "code"]
         self.grpc_requests = Counter(
-            "lapguard_grpc_requests",
-            "gRPC calls by method and status code",
-            grpc_labels,
-            registry=r,
+            "lapguard_grpc_requests", "gRPC calls by method and status", grpc_labels, registry=r
         )
         self.grpc_latency = self._histogram(
             "lapguard_grpc_request_duration_seconds",
