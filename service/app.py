@@ -3,6 +3,8 @@
 ``create_app(settings, guard=None)`` builds an app whose ``lifespan`` loads the bundle (a bad or
 tampered bundle stops start-up), starts the micro-batcher and warms the model up in the
 background; ``/readyz`` answers 503 until warm-up is done and again while shutting down.
+With ``grpc_port`` set, the lifespan also starts the gRPC endpoint on the same runtime (after
+the bundle is loaded) and stops it first (in-flight calls get the graceful timeout).
 ``uvicorn --factory service.app:create_app`` serves with settings from ``LAPGUARD_*``.
 """
 
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 import detector
+from detector.errors import ConfigError
 from service.errors import install_error_handlers
 from service.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from service.openapi import install_openapi
@@ -24,6 +27,7 @@ from service.settings import Settings, load_settings
 
 if TYPE_CHECKING:
     from detector.guard import Guard
+    from service.grpc_endpoint import GrpcEndpoint
 
 DESCRIPTION = """Classify images and flag adversarial or out-of-distribution inputs in one synchronous
 response. `score` is higher for more abnormal inputs; `flagged` is `score > threshold`, with the
@@ -39,14 +43,23 @@ def create_app(settings: Settings | None = None, guard: Guard | None = None) -> 
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await runtime.start()
         try:
+            app.state.grpc = await start_grpc(runtime)
+        except BaseException as error:
+            runtime.startup_error = error
+            await runtime.stop()
+            raise
+        try:
             yield
         finally:
+            if app.state.grpc is not None:
+                await app.state.grpc.stop(settings.graceful_timeout_s)
             await runtime.stop()
 
     app = FastAPI(
         title="lapguard", version=detector.__version__, description=DESCRIPTION, lifespan=lifespan
     )
     app.state.runtime = runtime
+    app.state.grpc = None  # the gRPC endpoint while it serves (see start_grpc)
     install_error_handlers(app)
     install_openapi(app, settings)
     # Added innermost first: the request context (ids, log, metrics) wraps the body limit.
@@ -61,3 +74,18 @@ def create_app(settings: Settings | None = None, guard: Guard | None = None) -> 
     app.include_router(page.router)
     app.mount("/static", page.static_files(), name="static")
     return app
+
+
+async def start_grpc(runtime: Runtime) -> GrpcEndpoint | None:
+    """The gRPC endpoint on ``runtime``, listening; None when ``grpc_port`` is unset (grpcio is
+    then never imported: serving REST alone does not need it)."""
+    if runtime.settings.grpc_port is None:
+        return None
+    try:
+        from service.grpc_endpoint import GrpcEndpoint
+    except (ImportError, RuntimeError) as error:  # tritonclient.grpc raises RuntimeError too
+        raise ConfigError(
+            "the gRPC endpoint (--grpc-port, LAPGUARD_GRPC_PORT) needs the grpc extra: "
+            f"pip install 'lapguard[grpc]' ({error})"
+        ) from error
+    return await GrpcEndpoint.start(runtime)

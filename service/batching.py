@@ -209,21 +209,27 @@ class MicroBatcher:
             jobs = self._next_jobs()
             if jobs is None:
                 return
-            if not jobs:  # every queued request was abandoned
-                continue
-            self.running = sum(job.size for job in jobs)
-            try:
-                deliveries = self._run_jobs(jobs)
-            except Exception as error:  # never let the thread die: the next requests would hang
-                logger.exception("batcher: a batch failed unexpectedly")
-                failed = _Outcome(None, [error] * len(jobs), 0.0, time.perf_counter())
-                deliveries = [(jobs, failed)]
-            finally:
-                self.running = 0
-            self._last_images = sum(job.size for job in jobs)
-            self._last_seconds = max(outcome.seconds for _, outcome in deliveries)
-            for batch, outcome in deliveries:
-                self._hand_over(batch, outcome)
+            if jobs:  # else every queued request was abandoned
+                self._run_batch(jobs)
+            # Hold nothing of a batch between batches: its results name the bundle that computed
+            # them, which must be released when a reload retires it (service/heap.py).
+            del jobs
+
+    def _run_batch(self, jobs: list[_Job]) -> None:
+        """Compute one batch and hand its outcome to the event loop."""
+        self.running = sum(job.size for job in jobs)
+        try:
+            deliveries = self._run_jobs(jobs)
+        except Exception as error:  # never let the thread die: the next requests would hang
+            logger.exception("batcher: a batch failed unexpectedly")
+            failed = _Outcome(None, [error] * len(jobs), 0.0, time.perf_counter())
+            deliveries = [(jobs, failed)]
+        finally:
+            self.running = 0
+        self._last_images = sum(job.size for job in jobs)
+        self._last_seconds = max(outcome.seconds for _, outcome in deliveries)
+        for batch, outcome in deliveries:
+            self._hand_over(batch, outcome)
 
     def _next_jobs(self) -> list[_Job] | None:
         """Block until work is queued, fill the batch and take it; None once closing with nothing

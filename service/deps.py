@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request, Security
 from fastapi.params import Depends as Dependency
 from fastapi.security import APIKeyHeader, HTTPBearer
-from pydantic import SecretStr
 
-from service.errors import ForbiddenError, UnauthorizedError
-from service.query_memory import client_key
+from service import keys
+from service.errors import ForbiddenError
 from service.runtime import Runtime
 
 
@@ -36,7 +34,7 @@ _WHICH_KEY = (
     "needed only when the server is configured with one"
 )
 #: The two ways to present a key, as the OpenAPI document's security schemes (either will do).
-#: They only document: they never refuse, ``_check_key`` does.
+#: They only document: they never refuse, :func:`service.keys.verify_key` does.
 _KEY_SCHEMES = [
     Security(
         APIKeyHeader(
@@ -47,28 +45,15 @@ _KEY_SCHEMES = [
 ]
 
 
-def _presented_key(request: Request) -> str | None:
-    given = request.headers.get("x-api-key")
-    if given is None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip() if scheme.lower() == "bearer" else None
-    return given or None
-
-
 def client_of(request: Request, runtime: Runtime) -> str:
-    """The client whose query history a request joins: its API key when one is configured (and
-    ``query_client`` is auto), else its address."""
-    settings = runtime.settings
-    use_key = settings.api_key is not None and settings.query_client == "auto"
+    """The client whose query history a request joins (see :func:`service.keys.client_of`)."""
     address = request.client.host if request.client is not None else None
-    return client_key(_presented_key(request) if use_key else None, address)
+    return keys.client_of(request.headers, address, runtime.settings)
 
 
 def check_api_key(request: Request, runtime: Runtime) -> None:
     """When ``LAPGUARD_API_KEY`` is set, inference needs ``X-API-Key: KEY`` or ``Authorization: Bearer KEY``."""
-    expected = runtime.settings.api_key
-    if expected is not None:
-        _check_key(request, expected, "API key")
+    keys.check_api_key(request.headers, runtime.settings)
 
 
 async def require_api_key(request: Request, runtime: RuntimeDep) -> None:
@@ -86,7 +71,8 @@ async def require_admin_key(request: Request, runtime: RuntimeDep) -> None:
             "admin calls are off: set LAPGUARD_ADMIN_KEY (or LAPGUARD_API_KEY) and send it, "
             "or send the server SIGHUP to reload its bundle"
         )
-    _check_key(request, expected, "admin key" if settings.admin_key else "API key")
+    name = "admin key" if settings.admin_key else "API key"
+    keys.verify_key(keys.presented_key(request.headers), expected, name)
 
 
 #: ``dependencies=`` of the routes behind the API key, and of the admin routes.
@@ -99,14 +85,3 @@ ADMIN_KEY_REQUIRED: list[Dependency] = [*_KEY_SCHEMES, Depends(require_admin_key
 #: The OpenAPI tag of the routes behind the admin key (the document drops their ``security``
 #: when neither key is configured, as it does the API key's when that is not).
 ADMIN_TAG = "admin"
-
-
-def _check_key(request: Request, expected: SecretStr, name: str) -> None:
-    """The request presents ``expected`` (the ``name`` in the refusal), else 401."""
-    given = _presented_key(request)
-    if not given:
-        raise UnauthorizedError(
-            f"the {name} is required: send X-API-Key: KEY or Authorization: Bearer KEY"
-        )
-    if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
-        raise UnauthorizedError(f"the {name} is not valid")

@@ -117,7 +117,7 @@ def decode_numeric(tensor: RequestInput, chunk: bytes | None, *, max_first_dim: 
         if len(chunk) != count * dtype.itemsize:
             raise InputError(
                 f"input {tensor.name!r}: shape {tensor.shape} {tensor.datatype} needs {count * dtype.itemsize} "
-                f"bytes, binary_data_size is {len(chunk)}"
+                f"bytes, got {len(chunk)}"
             )
         array = np.frombuffer(chunk, dtype=dtype)
     else:
@@ -210,30 +210,35 @@ def _flatten(data: Any) -> Any:
             yield item
 
 
+def select_outputs(available: Sequence[OutputTensor], names: Sequence[str]) -> list[OutputTensor]:
+    """The outputs named, in order (all when none are named); an unknown name is refused."""
+    by_name = {tensor.name: tensor for tensor in available}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise InputError(f"unknown output {unknown[0]!r}; this model has {', '.join(by_name)}")
+    return [by_name[name] for name in names] if names else list(available)
+
+
+def tensor_bytes(tensor: OutputTensor) -> bytes:
+    """An output's values in the binary layout (little-endian, BOOL one byte each)."""
+    array = np.ascontiguousarray(tensor.array)
+    return array.astype(np.dtype(NUMPY_DTYPES[tensor.datatype]), copy=False).tobytes()
+
+
 def encode_outputs(
     request: InferenceRequest, available: Sequence[OutputTensor]
 ) -> tuple[list[ResponseOutput], bytes]:
     """The requested outputs (all when none are named) as JSON data or binary chunks."""
-    by_name = {tensor.name: tensor for tensor in available}
     binary_default = _flag(request.parameters, "binary_data_output", False)
-    wanted: list[tuple[OutputTensor, bool]] = []
-    if request.outputs:
-        for output in request.outputs:
-            if output.name not in by_name:
-                raise InputError(
-                    f"unknown output {output.name!r}; this model has {', '.join(by_name)}"
-                )
-            binary = _flag(output.parameters, "binary_data", binary_default)
-            wanted.append((by_name[output.name], binary))
-    else:
-        wanted = [(tensor, binary_default) for tensor in available]
+    requested = request.outputs or []
+    chosen = select_outputs(available, [output.name for output in requested])
+    binary_flags = [_flag(o.parameters, "binary_data", binary_default) for o in requested]
     outputs: list[ResponseOutput] = []
     chunks: list[bytes] = []
-    for tensor, binary in wanted:
-        array = np.ascontiguousarray(tensor.array)
-        shape = list(array.shape)
+    for tensor, binary in zip(chosen, binary_flags or [binary_default] * len(chosen), strict=True):
+        shape = list(np.shape(tensor.array))
         if binary:
-            raw = array.astype(np.dtype(NUMPY_DTYPES[tensor.datatype]), copy=False).tobytes()
+            raw = tensor_bytes(tensor)
             chunks.append(raw)
             outputs.append(
                 ResponseOutput(
@@ -249,7 +254,7 @@ def encode_outputs(
                     name=tensor.name,
                     datatype=tensor.datatype,
                     shape=shape,
-                    data=array.reshape(-1).tolist(),
+                    data=np.asarray(tensor.array).reshape(-1).tolist(),
                 )
             )
     return outputs, b"".join(chunks)

@@ -47,6 +47,16 @@ class Metrics:
             _LATENCY_BUCKETS,
             http_labels,
         )
+        grpc_labels = ["method", "code"]
+        self.grpc_requests = Counter(
+            "lapguard_grpc_requests", "gRPC calls by method and status", grpc_labels, registry=r
+        )
+        self.grpc_latency = self._histogram(
+            "lapguard_grpc_request_duration_seconds",
+            "gRPC call latency by method and status code",
+            _LATENCY_BUCKETS,
+            grpc_labels,
+        )
         self.batch_size = self._histogram(
             "lapguard_batch_size", "images per forward pass", _BATCH_BUCKETS
         )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from service.errors import (
     ReloadRefusedError,
     ServiceError,
 )
+from service.heap import HeapKeeper
 from service.metrics import Metrics
 from service.query_memory import (
     InProcessStore,
@@ -91,6 +91,7 @@ class Runtime:
         self.query_memory: QueryMemory | None = None
         self._embedder: QueryEmbedder | None = None
         self._reload_lock = asyncio.Lock()
+        self._heap = HeapKeeper()
 
     @property
     def torch_threads(self) -> int:
@@ -158,7 +159,7 @@ class Runtime:
             await self.batcher.close(timeout=batch_close_timeout_s(self.settings))
         if self.query_memory is not None:
             self.query_memory.store.close()
-        gc.unfreeze()  # what start-up froze may be collected again (an app embedded in a process)
+        self._heap.stop()  # what start-up froze may be collected again (an app embedded in a process)
         logger.info("stopped")
 
     def _load(self) -> ServedBundle:
@@ -180,8 +181,12 @@ class Runtime:
             except Exception:
                 logger.exception("warm-up failed; the server stays not ready")
                 return
-        freeze_startup_heap()
-        if not self.draining:
+        self._heap.freeze()
+        self._become_ready()
+
+    def _become_ready(self) -> None:
+        """Ready: a warm Guard answers (after start-up's warm-up, or a reload's)."""
+        if not self.draining and not self.ready:
             self._set_ready(True)
             logger.info("ready", extra={"model": self.model_name})
 
@@ -323,7 +328,17 @@ class Runtime:
                 ) from error
             self.served = new
             self._reloaded(old, new, time.perf_counter() - started)
+            self._retire(old)
             return old, new
+
+    def _retire(self, old: ServedBundle) -> None:
+        """After a swap: the new Guard was warmed up before it, so the server is ready even if
+        start-up's warm-up failed (a start-up warm-up still running is moot: stopped); the old
+        Guard's memory is freed once its last batch is answered (see :class:`HeapKeeper`)."""
+        if self._warmup_task is not None and not self._warmup_task.done():
+            self._warmup_task.cancel()
+        self._heap.retire(old.guard)
+        self._become_ready()
 
     async def reload_quietly(self) -> None:
         """:meth:`reload` of the served directory for SIGHUP: the outcome is logged, not raised."""
@@ -487,17 +502,6 @@ class Runtime:
                 for b, n in zip(blobs, names, strict=True)
             ]
         )
-
-
-def freeze_startup_heap() -> None:
-    """Collect, then move every object alive now (the interpreter, torch, the app, the loaded
-    bundle: ~1.5 million objects) out of the cyclic collector's sight (:func:`gc.freeze`).
-    Otherwise each full collection walks them all with the interpreter lock held, stalling the
-    event loop and the forward pass alike: measured under 32 clients on 2 cores, ten full
-    collections in the first 10 s of load, growing to 230 ms each (lapguard's p99 of ~270 ms).
-    Reference counting still frees frozen objects; only cycles among them are never collected."""
-    gc.collect()
-    gc.freeze()
 
 
 def _prepare_named(guard: Guard, arrays: list[np.ndarray], names: list[str]) -> torch.Tensor:

@@ -32,6 +32,15 @@ class Settings(BaseSettings):
         default="127.0.0.1", description="interface to bind; 0.0.0.0 only inside a container"
     )
     port: int = Field(default=8000, ge=0, le=65535)
+    grpc_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description=(
+            "port of the gRPC Open Inference Protocol endpoint, beside REST on the same host "
+            "(unset: off; 0: any free port; needs the grpc extra)"
+        ),
+    )
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     target_fpr: float | None = Field(
         default=None,

@@ -1,15 +1,18 @@
 """Bundle hot reload on a live server: swapped under load with no failed request, by the admin
 call and by SIGHUP to `lapguard serve`; the batch being computed finishes on the old Guard; a bad
-bundle is refused and the old one keeps answering; the admin call needs its key."""
+bundle is refused and the old one keeps answering; the admin call needs its key; a reload makes
+ready a server whose start-up warm-up failed, and lets the start-up bundle be collected."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -272,6 +275,55 @@ def test_without_an_admin_key_the_api_key_reloads_and_without_any_key_none_can(b
         response = httpx.post(live.url + "/v1/admin/reload", timeout=60)
         assert response.status_code == 403 and error_code(response) == "forbidden"
         assert "LAPGUARD_ADMIN_KEY" in error_message(response)
+
+
+# ---- what a reload leaves behind --------------------------------------------------------------
+def test_a_reload_makes_ready_a_server_whose_warm_up_failed(bundles, images) -> None:
+    """The start-up Guard's network has no weights in memory (moved to the meta device), so its
+    warm-up fails and the server stays not ready; a reload of the bundle directory (whose
+    network is whole) is warmed up before the swap, so the server is ready after it."""
+    from detector.guard import Guard
+
+    broken = Guard.from_bundle(bundles.old, device="cpu")
+    broken.model.to("meta")
+    settings = _settings(bundles.old, admin_key=ADMIN_KEY)
+    with (
+        LiveServer(settings, guard=broken, wait_for="/healthz") as live,
+        httpx.Client(base_url=live.url, timeout=60) as c,
+    ):
+        time.sleep(0.5)
+        assert c.get("/readyz").status_code == 503
+        response = c.post("/v1/admin/reload", headers=ADMIN)
+        assert response.status_code == 200, response.text
+        assert c.get("/readyz").status_code == 200
+        assert _metric(c.get("/metrics").text, "lapguard_ready ") == 1.0
+        answer = c.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")})
+        assert answer.status_code == 200, answer.text
+
+
+def test_after_a_reload_the_start_up_bundle_is_collected(bundles, images) -> None:
+    """The start-up heap is frozen (``gc.freeze``) once warm; the start-up network holds
+    reference cycles, which only the cyclic collector frees: after a reload it must be collected
+    (not kept frozen for the life of the process), and the heap is frozen again afterwards."""
+    with (
+        LiveServer(_settings(bundles.old, admin_key=ADMIN_KEY)) as live,
+        httpx.Client(base_url=live.url, timeout=60) as c,
+    ):
+        assert gc.get_freeze_count() > 10_000
+        answer = c.post("/v1/predict", files={"files": ("a.png", images[0], "image/png")})
+        assert answer.status_code == 200  # a batch ran on the start-up Guard
+        guard = weakref.ref(live.runtime.require_guard())
+        network = weakref.ref(live.runtime.require_guard().model)
+        response = c.post("/v1/admin/reload", json={"bundle": str(bundles.new)}, headers=ADMIN)
+        assert response.status_code == 200, response.text
+
+        def collected() -> bool:
+            gc.collect()
+            return guard() is None and network() is None
+
+        _wait_for(collected, 20)
+        _wait_for(lambda: gc.get_freeze_count() > 10_000, 20)  # frozen again
+        assert live.runtime.require_guard().manifest.version == "8"
 
 
 # ---- SIGHUP to `lapguard serve` -----------------------------------------------------------------

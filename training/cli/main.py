@@ -551,7 +551,7 @@ def _add_target_fpr(p: argparse.ArgumentParser) -> None:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve a bundle over HTTP: /v1/predict, KServe v2, /metrics",
+        help="serve a bundle over HTTP: /v1/predict, KServe v2, /metrics (and KServe v2 over gRPC)",
         epilog="Every setting also reads LAPGUARD_<NAME> (e.g. LAPGUARD_API_KEY, LAPGUARD_MAX_BODY_BYTES).",
     )
     p.add_argument(
@@ -559,6 +559,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default=None, help="interface (default $LAPGUARD_HOST or 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default $LAPGUARD_PORT or 8000)")
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve the Open Inference Protocol over gRPC on this port (default "
+        "$LAPGUARD_GRPC_PORT, else off; needs the grpc extra)",
+    )
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N (default auto)")
     _add_target_fpr(p)
     p.add_argument("--max-batch-size", type=int, default=None, help="most images per forward pass")
@@ -580,6 +587,7 @@ SERVE_FLAGS = (
     "bundle",
     "host",
     "port",
+    "grpc_port",
     "device",
     "target_fpr",
     "max_batch_size",
