@@ -222,7 +222,10 @@ class ImportedNetwork(nn.Module):
 
     Its state dict is the wrapped model's own, keys unprefixed (those of the user's file): the
     normalization constants come from the config, and hooks drop the ``model.`` prefix on
-    ``state_dict`` and add it back on ``load_state_dict``.
+    ``state_dict`` and add it back on ``load_state_dict``. While something records a tap
+    (:class:`detector.taps.Taps`), the tap's output goes on into its block as a copy: torchvision
+    and timm ResNets add the shortcut in place (``out += identity``), which would otherwise change
+    the recorded residual and break gradients through it.
     """
 
     def __init__(
@@ -241,6 +244,8 @@ class ImportedNetwork(nn.Module):
         self.config: NetworkConfig | None = None
         self._register_state_dict_hook(_drop_model_prefix)
         self._register_load_state_dict_pre_hook(_add_model_prefix)
+        for name in self.taps:
+            modules[name].register_forward_hook(_copy_when_recorded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(self.normalize(x))
@@ -248,6 +253,14 @@ class ImportedNetwork(nn.Module):
     def tap_names(self) -> list[str]:
         """Names of the residual taps, in depth order."""
         return [f"model.{name}" for name in self.taps]
+
+
+def _copy_when_recorded(module: nn.Module, _inputs: Any, output: Any) -> Any:
+    """Forward hook of a tap: hand a copy on when another hook (a recorder, which runs first)
+    saw the output, so that in-place work after the tap leaves the recorded tensor alone."""
+    if isinstance(output, torch.Tensor) and len(module._forward_hooks) > 1:
+        return output.clone()
+    return None
 
 
 def _drop_model_prefix(

@@ -81,13 +81,15 @@ class Taps:
 
     def __enter__(self: Self) -> Self:
         for index, (tap, module) in enumerate(zip(self.taps, self._modules, strict=True)):
+            # prepended: a recorder sees a tap's output before a network's own hook hands a copy
+            # on (ImportedNetwork, whose blocks may add their shortcut in place)
             if tap.on == "input":
                 handle = module.register_forward_pre_hook(
-                    lambda _m, inputs, i=index: self._record(i, inputs[0])
+                    lambda _m, inputs, i=index: self._record(i, inputs[0]), prepend=True
                 )
             else:
                 handle = module.register_forward_hook(
-                    lambda _m, _inputs, output, i=index: self._record(i, output)
+                    lambda _m, _inputs, output, i=index: self._record(i, output), prepend=True
                 )
             self._handles.append(handle)
         return self

@@ -17,8 +17,9 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 from detector import networks
 from detector.block_taps import known_residual_taps
-from detector.features import extract_features
+from detector.features import TransportFeatureExtractor, extract_features
 from detector.networks import ImportedNetwork, InputSpec, NetworkConfig
+from detector.taps import ResidualTaps, Tap, Taps
 from training.cli.main import main
 
 IMAGENET_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
@@ -124,6 +125,25 @@ def test_the_wrapper_loads_the_users_keys_also_inside_another_module() -> None:
     x = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(fresh(x), parent(x))
+
+
+def test_recorded_residuals_survive_in_place_shortcut_adds_and_carry_gradients() -> None:
+    """torchvision's ResNet blocks add the shortcut into the tapped tensor in place; the imported
+    network hands a copy on, so a kept residual is still r(x) and gradients flow through it."""
+    model = _resnet18()
+    network = ImportedNetwork(model, mean=[0.5] * 3, std=[0.5] * 3, taps=known_residual_taps(model))
+    x = torch.rand(2, 3, 32, 32, requires_grad=True)
+    block = [Tap("model.layer1.1", "input"), Tap("model.layer1.1", "output")]
+    with ResidualTaps(network) as taps, Taps(network, block) as ends:
+        network(x)
+        residual = taps.outputs[1]  # layer1.1.bn2, kept as it is (no transform)
+        start, end = ends.outputs
+    assert torch.allclose(torch.relu(start + residual), end, atol=1e-6)
+    assert residual.min() < 0  # not the in-place ReLU's output
+    with TransportFeatureExtractor(network) as fx:
+        network(x)
+        fx.features().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
 
 
 def test_a_timm_network_takes_timms_data_config(tmp_path: Path, capsys) -> None:
