@@ -18,8 +18,8 @@ timm ``convnext.ConvNeXtBlock``                              ``drop_path`` (afte
 
 A ViT block takes two residual steps, x' = x + a(x) then x'' = x' + m(x'): each is a tap, so a
 ViT of L blocks has 2L taps. The ResNets of both libraries add the shortcut *in place* into the
-tapped tensor (``out += identity``): a hook must reduce or copy what it sees (as
-:mod:`detector.features` does), never keep the tensor for later.
+tapped tensor (``out += identity``): an :class:`~detector.networks.ImportedNetwork` hands a copy
+on while a tap is recorded; on a bare model a hook must reduce or copy what it sees.
 
 Any other network: glob patterns (:mod:`fnmatch`, where ``*`` also crosses dots) over its module
 names, e.g. ``"blocks.*.residual"``; the matches are taken in module order (the depth order of
