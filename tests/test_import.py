@@ -146,6 +146,39 @@ def test_recorded_residuals_survive_in_place_shortcut_adds_and_carry_gradients()
     assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
 
 
+def test_an_imported_network_serves_through_a_bundle_and_the_guard(tmp_path: Path) -> None:
+    from detector.bundle import write_bundle
+    from detector.calibration import Calibration, calibrate_threshold
+    from detector.forest import TransportDetector
+    from detector.guard import Guard
+
+    weights = _save(_vit(), tmp_path / "user", "pt")
+    assert _import("torchvision:VisionTransformer", weights, tmp_path / "net", *VIT_ARGS) == 0
+    network = networks.load(tmp_path / "net")
+    rng = np.random.default_rng(0)
+    clean = rng.random((40, 3, 32, 32), dtype=np.float32)
+    noisy = np.clip(clean + rng.normal(0, 0.3, clean.shape), 0, 1).astype(np.float32)
+    (f_clean, l_clean), (f_noisy, l_noisy) = (extract_features(network, x) for x in (clean, noisy))
+    detector = TransportDetector(n_estimators=5, max_depth=3, min_class_samples=50).fit(
+        np.concatenate([f_clean, f_noisy]),
+        np.repeat([False, True], 40),
+        np.concatenate([l_clean.argmax(1), l_noisy.argmax(1)]),
+    )
+    threshold = calibrate_threshold(detector.score(f_clean, l_clean.argmax(1)), 0.1)
+    bundle = write_bundle(
+        tmp_path / "bundle",
+        network_dir=tmp_path / "net",
+        detector=detector,
+        calibration=Calibration(threshold=threshold, target_fpr=0.1, achieved_fpr=0.1, n=40),
+        name="imported-vit",
+        dataset="random",
+    )
+    result = Guard.from_bundle(bundle, device="cpu").predict(clean[:6])
+    assert (result.labels == l_clean[:6].argmax(1)).all()
+    assert np.isfinite(result.scores).all() and result.blocks is not None
+    assert result.blocks.shape == (6, 2, 4)  # (msq, cos) of the 4 taps: 2 blocks x 2 branches
+
+
 def test_a_timm_network_takes_timms_data_config(tmp_path: Path, capsys) -> None:
     timm = pytest.importorskip("timm")
     vit = {"img_size": 32, "patch_size": 8, "depth": 2, "num_heads": 2, "embed_dim": 32}
