@@ -37,8 +37,8 @@ from detector.features import FeatureSpec
 from detector.networks import (
     WEIGHTS_FILE,
     InputSpec,
+    Network,
     NetworkConfig,
-    ObservableResNet,
     build_network,
     read_config,
     resolve_device,
@@ -234,11 +234,11 @@ class Bundle:
 
     path: Path
     manifest: BundleManifest
-    model: ObservableResNet
+    model: Network
     detector: Detector
     band: CleanBand | None = None
     gallery: Gallery | None = None
-    second: ObservableResNet | None = None
+    second: Network | None = None
 
 
 def detector_kind(detector: Detector) -> str:
@@ -430,7 +430,7 @@ def read_manifest(path: str | Path) -> BundleManifest:
     return manifest
 
 
-def _load_network(root: Path, config: NetworkConfig, file: str) -> ObservableResNet:
+def _load_network(root: Path, config: NetworkConfig, file: str) -> Network:
     """The network of ``config`` with the weights of bundle file ``file`` (checksum verified)."""
     model = build_network(config)
     try:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+
+def one_line(text: object, limit: int = 400) -> str:
+    """``text`` as one line (every run of whitespace, newlines included, becomes one space), cut
+    to ``limit`` characters: what a message quoting a third-party error needs."""
+    flat = re.sub(r"\s+", " ", str(text)).strip()
+    return flat if len(flat) <= limit else flat[: limit - 3].rstrip() + "..."
 
 
 def validation_problems(errors: list[Any], what: str = "") -> str:

@@ -7,7 +7,9 @@ Networks take images in their value range (default [0, 1]) and normalize inside,
 clip values and the service all work in pixel space.
 
 Architectures are looked up by name (:func:`get_model`, :func:`list_models`); weights travel as
-``model.safetensors`` + ``config.json`` and come back through :func:`load` alone.
+``model.safetensors`` + ``config.json`` and come back through :func:`load` alone. A classifier
+from torchvision or timm (``torchvision:NAME``, ``timm:NAME``, :mod:`detector.zoo`) comes back
+as an :class:`ImportedNetwork`: the same normalization inside, residual taps named in its config.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -24,7 +26,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
+from detector import zoo
 from detector.artefacts import atomic_path, read_model, write_text
+from detector.block_taps import residual_taps
 from detector.errors import ArtefactError, ConfigError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -70,7 +74,13 @@ class InputSpec(BaseModel):
 
 
 class NetworkConfig(BaseModel):
-    """Everything needed to rebuild a network from its weights file."""
+    """Everything needed to rebuild a network from its weights file.
+
+    ``taps`` belongs to imported networks (``torchvision:NAME``/``timm:NAME``): the module names,
+    inside the torchvision/timm model (the names of its own state dict), whose outputs are the
+    residual branches, in depth order; None means the known taps of its blocks
+    (:mod:`detector.block_taps`). Our networks name their own taps and leave it None.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -79,6 +89,7 @@ class NetworkConfig(BaseModel):
     arguments: dict[str, Any] = Field(default_factory=dict)
     class_names: list[str]
     input_spec: InputSpec
+    taps: list[str] | None = None
 
     @field_validator("format_version")
     @classmethod
@@ -92,11 +103,27 @@ class NetworkConfig(BaseModel):
     @field_validator("architecture")
     @classmethod
     def _registered(cls, value: str) -> str:
-        if value not in _MODELS:
+        if zoo.is_zoo_architecture(value):
+            zoo.check_architecture(value)
+        elif value not in _MODELS:
             raise ValueError(
-                f"unknown architecture {value!r}; registered: {', '.join(list_models())}"
+                f"unknown architecture {value!r}; registered: {', '.join(list_models())} "
+                "(or torchvision:NAME, timm:NAME)"
             )
         return value
+
+    @model_validator(mode="after")
+    def _check_imported(self) -> NetworkConfig:
+        if self.taps is not None and not zoo.is_zoo_architecture(self.architecture):
+            raise ValueError("taps are stored for torchvision:/timm: networks only")
+        if self.taps is not None and not self.taps:
+            raise ValueError("taps must name at least one module (or be null)")
+        given = self.arguments.get("num_classes", self.num_classes)
+        if zoo.is_zoo_architecture(self.architecture) and given != self.num_classes:
+            raise ValueError(
+                f"arguments.num_classes is {given} but there are {self.num_classes} class names"
+            )
+        return self
 
     @property
     def num_classes(self) -> int:
@@ -112,12 +139,13 @@ class Normalize(nn.Module):
     mean: torch.Tensor
     std: torch.Tensor
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+    def __init__(
+        self, mean: Sequence[float], std: Sequence[float], *, persistent: bool = True
+    ) -> None:
         super().__init__()
-        self.register_buffer(
-            "mean", torch.tensor(list(mean), dtype=torch.float32).view(1, -1, 1, 1)
-        )
-        self.register_buffer("std", torch.tensor(list(std), dtype=torch.float32).view(1, -1, 1, 1))
+        for name, values in (("mean", mean), ("std", std)):
+            constants = torch.tensor(list(values), dtype=torch.float32).view(1, -1, 1, 1)
+            self.register_buffer(name, constants, persistent=persistent)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean) / self.std
@@ -186,6 +214,71 @@ class ObservableResNet(nn.Module):
     def tap_names(self) -> list[str]:
         """Names of the residual taps, in depth order."""
         return [f"blocks.{m}.residual" for m in range(len(self.blocks))]
+
+
+class ImportedNetwork(nn.Module):
+    """A torchvision/timm classifier made observable: it normalizes inside (images arrive in the
+    input spec's value range) and names its residual taps (``model.<tap>``).
+
+    Its state dict is the wrapped model's own, keys unprefixed (those of the user's file): the
+    normalization constants come from the config, and hooks drop the ``model.`` prefix on
+    ``state_dict`` and add it back on ``load_state_dict``. While something records a tap
+    (:class:`detector.taps.Taps`), the tap's output goes on into its block as a copy: torchvision
+    and timm ResNets add the shortcut in place (``out += identity``), which would otherwise change
+    the recorded residual and break gradients through it.
+    """
+
+    def __init__(
+        self, model: nn.Module, *, mean: Sequence[float], std: Sequence[float], taps: Sequence[str]
+    ) -> None:
+        super().__init__()
+        self.normalize = Normalize(mean, std, persistent=False)
+        self.model = model
+        modules = dict(model.named_modules())
+        missing = [name for name in taps if name not in modules]
+        if missing or not taps:
+            raise ConfigError(
+                f"tap modules not found in {type(model).__name__}: {', '.join(missing) or 'none given'}"
+            )
+        self.taps = list(taps)
+        self.config: NetworkConfig | None = None
+        self._register_state_dict_hook(_drop_model_prefix)
+        self._register_load_state_dict_pre_hook(_add_model_prefix)
+        for name in self.taps:
+            modules[name].register_forward_hook(_copy_when_recorded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(self.normalize(x))
+
+    def tap_names(self) -> list[str]:
+        """Names of the residual taps, in depth order."""
+        return [f"model.{name}" for name in self.taps]
+
+
+def _copy_when_recorded(module: nn.Module, _inputs: Any, output: Any) -> Any:
+    """Forward hook of a tap: hand a copy on when another hook (a recorder, which runs first)
+    saw the output, so that in-place work after the tap leaves the recorded tensor alone."""
+    if isinstance(output, torch.Tensor) and len(module._forward_hooks) > 1:
+        return output.clone()
+    return None
+
+
+def _drop_model_prefix(
+    module: nn.Module, state: dict[str, Any], prefix: str, _metadata: Any
+) -> None:
+    """State-dict hook: ``{prefix}model.k`` -> ``{prefix}k`` (the wrapped model's own keys)."""
+    inner = f"{prefix}model."
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner) :]] = state.pop(key)
+
+
+def _add_model_prefix(state: dict[str, Any], prefix: str, *_args: Any) -> None:
+    """Load pre-hook: every ``{prefix}k`` -> ``{prefix}model.k`` (the inverse of the above)."""
+    for key in [k for k in state if k.startswith(prefix)]:
+        state[f"{prefix}model.{key[len(prefix) :]}"] = state.pop(key)
+
+
+Network: TypeAlias = ObservableResNet | ImportedNetwork
 
 
 class Unitization(nn.Module):
@@ -560,9 +653,11 @@ def resnext50(
 # --------------------------------------------------------------------------------------------
 # Building from a config, saving and loading
 # --------------------------------------------------------------------------------------------
-def build_network(config: NetworkConfig) -> ObservableResNet:
+def build_network(config: NetworkConfig) -> Network:
     """Build the (untrained) network a config describes; the config is attached as ``.config``."""
     spec = config.input_spec
+    if zoo.is_zoo_architecture(config.architecture):
+        return _build_imported(config)
     try:
         model = get_model(
             config.architecture,
@@ -581,9 +676,18 @@ def build_network(config: NetworkConfig) -> ObservableResNet:
     return model
 
 
-def save(
-    model: ObservableResNet, directory: str | Path, config: NetworkConfig | None = None
-) -> Path:
+def _build_imported(config: NetworkConfig) -> ImportedNetwork:
+    """The torchvision/timm network of ``config``, wrapped with its normalization and taps."""
+    arguments = {"num_classes": config.num_classes, **config.arguments}
+    model = zoo.build_zoo_model(config.architecture, arguments)
+    spec = config.input_spec
+    taps = config.taps if config.taps is not None else residual_taps(model)
+    network = ImportedNetwork(model, mean=spec.mean, std=spec.std, taps=taps)
+    network.config = config
+    return network
+
+
+def save(model: Network, directory: str | Path, config: NetworkConfig | None = None) -> Path:
     """Write ``model.safetensors`` + ``config.json`` into ``directory`` (created if needed)."""
     config = config or model.config
     if config is None:
@@ -609,7 +713,7 @@ def read_config(directory: str | Path) -> NetworkConfig:
     return read_model(path, NetworkConfig, what="network config")
 
 
-def load(directory: str | Path, *, device: str | torch.device = "cpu") -> ObservableResNet:
+def load(directory: str | Path, *, device: str | torch.device = "cpu") -> Network:
     """Load a network saved by :func:`save` from its directory alone, in eval mode."""
     directory = Path(directory)
     config = read_config(directory)

@@ -1,9 +1,10 @@
 """Residual taps: the one way to see every block's residual r_m(x_m) during a forward pass.
 
 A tap specification is a list of module names whose forward output is the residual branch
-(before the step size and the addition). Our networks name theirs ``blocks.{m}.residual``;
-torchvision ResNet/ResNeXt/WideResNet blocks end their branch in ``bn2`` (BasicBlock) or ``bn3``
-(Bottleneck), which is the residual before ``out += identity``. :class:`Taps` is the one way
+(before the step size and the addition). Our networks and imported ones name theirs
+(``tap_names()``); the blocks of plain torchvision and timm classifiers have known taps
+(:mod:`detector.block_taps`: e.g. ``bn2``/``bn3`` of a ResNet block, the residual before
+``out += identity``). :class:`Taps` is the one way
 to hook a model (residuals, other layers' outputs or inputs); hooks live only inside the
 ``with`` block, so a model is never left instrumented.
 """
@@ -17,6 +18,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
+from detector.block_taps import residual_taps
 from detector.errors import ConfigError
 
 Transform = Callable[[torch.Tensor], Any]
@@ -24,25 +26,12 @@ Self = TypeVar("Self", bound="Taps")
 
 
 def default_tap_names(model: nn.Module) -> list[str]:
-    """Tap names for our networks and torchvision ResNets; other models need an explicit list."""
+    """Tap names of a network that names them (``tap_names()``: ours, imported ones), else those
+    of its known torchvision/timm blocks; other models need an explicit list."""
     tap_names = getattr(model, "tap_names", None)
     if callable(tap_names):
-        names = tap_names()
-        return list(names)
-    from torchvision.models.resnet import BasicBlock, Bottleneck
-
-    names = []
-    for name, module in model.named_modules():
-        if isinstance(module, BasicBlock):
-            names.append(f"{name}.bn2")
-        elif isinstance(module, Bottleneck):
-            names.append(f"{name}.bn3")
-    if not names:
-        raise ConfigError(
-            f"no residual taps known for {type(model).__name__}: pass tap names explicitly "
-            "(modules whose output is the residual branch, before it is added to the input)"
-        )
-    return names
+        return list(tap_names())
+    return residual_taps(model)
 
 
 @dataclass(frozen=True)
@@ -92,13 +81,15 @@ class Taps:
 
     def __enter__(self: Self) -> Self:
         for index, (tap, module) in enumerate(zip(self.taps, self._modules, strict=True)):
+            # prepended: a recorder sees a tap's output before a network's own hook hands a copy
+            # on (ImportedNetwork, whose blocks may add their shortcut in place)
             if tap.on == "input":
                 handle = module.register_forward_pre_hook(
-                    lambda _m, inputs, i=index: self._record(i, inputs[0])
+                    lambda _m, inputs, i=index: self._record(i, inputs[0]), prepend=True
                 )
             else:
                 handle = module.register_forward_hook(
-                    lambda _m, _inputs, output, i=index: self._record(i, output)
+                    lambda _m, _inputs, output, i=index: self._record(i, output), prepend=True
                 )
             self._handles.append(handle)
         return self

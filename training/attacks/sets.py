@@ -44,7 +44,7 @@ from detector.artefacts import (
     write_json,
 )
 from detector.errors import ArtefactError, ConfigError, InputError
-from detector.networks import ObservableResNet
+from detector.networks import Network
 from training.attacks.registry import (
     AttackParams,
     AttackRunner,
@@ -138,7 +138,7 @@ class AdversarialSet:
 # --------------------------------------------------------------------------------------------
 # Checksums and keys
 # --------------------------------------------------------------------------------------------
-def network_sha256(model: ObservableResNet | str | Path) -> str:
+def network_sha256(model: Network | str | Path) -> str:
     """sha256 of the network's ``model.safetensors`` (for a model in memory: of the bytes
     :func:`detector.networks.save` would write)."""
     if isinstance(model, (str, Path)):
@@ -421,7 +421,7 @@ class _SetPlan:
     attack: str
     params: AttackParams
     seed: int
-    net: ObservableResNet
+    net: Network
     model_dir: Path | None
     x: np.ndarray
     y: np.ndarray
@@ -446,7 +446,7 @@ def check_set_options(seed: int, batch_size: int | None) -> None:
 
 
 def _plan_set(
-    model: ObservableResNet | str | Path,
+    model: Network | str | Path,
     x: np.ndarray,
     y: np.ndarray,
     indices: np.ndarray,
@@ -694,7 +694,7 @@ def _open_runner(
 
 def get_or_generate(
     cache_dir: str | Path,
-    model: ObservableResNet | str | Path,
+    model: Network | str | Path,
     x: np.ndarray,
     y: np.ndarray,
     indices: np.ndarray,

@@ -103,6 +103,113 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- import (the user's own network) ---------------------------------------------------------
+def _add_import(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "import",
+        help="make a network directory from your own torchvision/timm classifier and weights "
+        "file (no training)",
+        description="Writes OUT (model.safetensors + config.json), which attacks, detectors, "
+        "bundles and the server read like a network lapguard trained. What is not given comes "
+        "from the architecture (its input size and normalization, the weights' class count, the "
+        "residual taps of its blocks) and is printed. Nothing is written on any error.",
+    )
+    p.add_argument(
+        "architecture",
+        metavar="ARCH",
+        help="torchvision:NAME or timm:NAME, e.g. torchvision:resnet18",
+    )
+    p.add_argument(
+        "--weights",
+        type=Path,
+        metavar="FILE",
+        help="FILE.safetensors, or a state dict saved with torch.save(model.state_dict(), FILE)",
+    )
+    p.add_argument(
+        "--out", type=Path, metavar="DIR", help="the network directory to write (new or empty)"
+    )
+    p.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a builder argument (read as int, float, true/false, else string), e.g. "
+        "image_size=32; repeatable",
+    )
+    p.add_argument("--channels", type=int, default=None, metavar="C", help="image channels")
+    p.add_argument("--input-size", type=int, nargs="+", metavar="N", help="S (square) or H W")
+    p.add_argument("--mean", type=float, nargs="+", metavar="M", help="one per channel, in [0, 1]")
+    p.add_argument("--std", type=float, nargs="+", metavar="S", help="one per channel")
+    p.add_argument("--classes", nargs="+", metavar="NAME", help="class names, in logit order")
+    p.add_argument(
+        "--num-classes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="class count (names 0..N-1; default: the weights')",
+    )
+    p.add_argument(
+        "--taps",
+        nargs="+",
+        metavar="PATTERN",
+        help="glob patterns over module names whose outputs are the residual branches, e.g. "
+        "'layer*.*.bn2' (default: the known taps of torchvision/timm ResNet, ViT, ConvNeXt blocks)",
+    )
+    p.set_defaults(handler=_run_import)
+
+
+def _builder_value(raw: str) -> object:
+    """An ``--arg`` value: true/false, an int, a float, else the string itself."""
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _builder_arguments(pairs: Sequence[str]) -> dict[str, object]:
+    arguments: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--arg expects KEY=VALUE, got {pair!r}")
+        arguments[key.strip()] = _builder_value(raw.strip())
+    return arguments
+
+
+def _input_size(values: Sequence[int] | None) -> tuple[int, int] | None:
+    if values is None:
+        return None
+    if len(values) not in (1, 2):
+        raise UsageError(f"--input-size takes S or H W, got {len(values)} numbers")
+    return (values[0], values[-1])
+
+
+def _run_import(args: argparse.Namespace) -> int:
+    # lazy: like every command, this one loads only what it needs
+    from detector.importer import ImportRequest, import_network
+
+    if args.weights is None or args.out is None:
+        raise UsageError("import needs --weights FILE and --out DIR")
+    request = ImportRequest(
+        architecture=args.architecture,
+        weights=args.weights,
+        out=args.out,
+        arguments=_builder_arguments(args.arg),
+        channels=args.channels,
+        size=_input_size(args.input_size),
+        mean=tuple(args.mean) if args.mean else None,
+        std=tuple(args.std) if args.std else None,
+        class_names=tuple(args.classes) if args.classes else None,
+        num_classes=args.num_classes,
+        taps=tuple(args.taps) if args.taps else None,
+    )
+    return _print_lines(import_network(request).lines())
+
+
 # ---- attack -----------------------------------------------------------------------------------------
 def _add_attack(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -745,6 +852,7 @@ def _run_score(args: argparse.Namespace) -> int:
 
 PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_data,
+    _add_import,
     _add_train,
     _add_attack,
     _add_pipeline,

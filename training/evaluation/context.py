@@ -97,7 +97,7 @@ class PipelineRun:
         self.root = root
         self.progress = progress
         self.device = str(networks.resolve_device(config.device))
-        self._models: dict[str, networks.ObservableResNet] = {}
+        self._models: dict[str, networks.Network] = {}
         self._images: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._sets: dict[str, dict[str, adversarial.AdversarialSet]] = {}
         self._full: dict[str, NetworkSamples] = {}
@@ -113,7 +113,7 @@ class PipelineRun:
         """An existing run directory with the config saved in it."""
         return cls(read_pipeline_config(run), run, root=root, progress=progress)
 
-    def model(self, name: str) -> networks.ObservableResNet:
+    def model(self, name: str) -> networks.Network:
         """The trained network ``name`` (eval mode, on the run's device)."""
         if name not in self._models:
             self._models[name] = networks.load(self.dir.model(name), device=self.device)

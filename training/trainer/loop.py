@@ -301,7 +301,7 @@ def _write_config(config: TrainConfig, files: ModelDir, rank: int) -> None:
 
 def _build_model(
     config: TrainConfig, names: list[str], device: torch.device
-) -> tuple[networks.ObservableResNet, networks.NetworkConfig]:
+) -> tuple[networks.Network, networks.NetworkConfig]:
     """The initialised network (on ``device``) and the config it is saved with."""
     info = dataset_info(config.dataset)
     net_config = networks.NetworkConfig(
