@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -124,6 +132,15 @@ class NetworkConfig(BaseModel):
                 f"arguments.num_classes is {given} but there are {self.num_classes} class names"
             )
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_taps(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``taps`` is written only when set, so the configs of our own networks (and the
+        manifests and fingerprints that hold them) read as they always have."""
+        data: dict[str, Any] = handler(self)
+        if data.get("taps", []) is None:
+            del data["taps"]
+        return data
 
     @property
     def num_classes(self) -> int:
