@@ -32,6 +32,14 @@ class Settings(BaseSettings):
         default="127.0.0.1", description="interface to bind; 0.0.0.0 only inside a container"
     )
     port: int = Field(default=8000, ge=0, le=65535)
+    state_file: Path | None = Field(
+        default=None,
+        description=(
+            "where the server records the address it listens on once it does (removed on stop): "
+            "the container health check reads the port there, since it never sees the server's "
+            "--port flag; the images set /tmp/lapguard-server.json"
+        ),
+    )
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     target_fpr: float | None = Field(
         default=None,
