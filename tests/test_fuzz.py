@@ -29,21 +29,22 @@ KEYED = {"X-API-Key": API_KEY}
 #: what the server legitimately answers that no schema can say: a request that fits the schema
 #: may still carry an image that does not decode, base64 that is not, or a v2 shape its data
 #: does not fill (400), or more images than the server takes at once (413, also for a request
-#: that does not fit the schema: the limit is a setting, not part of the document).
+#: that does not fit the schema: the limit is a setting, not part of the document); a reload may
+#: name a directory that holds no bundle (422, the old one keeps serving).
+ACCEPTED = [*defaults.POSITIVE_DATA_ACCEPTANCE_EXPECTED_STATUSES, "400", "413"]
+REJECTED = [*defaults.NEGATIVE_DATA_REJECTION_EXPECTED_STATUSES, "413"]
 CONFIG = schemathesis.Config.from_dict(
     {
         "checks": {
-            "positive_data_acceptance": {
-                "expected-statuses": [
-                    *defaults.POSITIVE_DATA_ACCEPTANCE_EXPECTED_STATUSES,
-                    "400",
-                    "413",
-                ]
-            },
-            "negative_data_rejection": {
-                "expected-statuses": [*defaults.NEGATIVE_DATA_REJECTION_EXPECTED_STATUSES, "413"]
-            },
-        }
+            "positive_data_acceptance": {"expected-statuses": ACCEPTED},
+            "negative_data_rejection": {"expected-statuses": REJECTED},
+        },
+        "operations": [
+            {
+                "include-name": "POST /v1/admin/reload",
+                "checks": {"positive_data_acceptance": {"expected-statuses": [*ACCEPTED, "422"]}},
+            }
+        ],
     }
 )
 #: server -> (name, generation mode, headers, served model in the path, cases per operation at
