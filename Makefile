@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml
 # without an engine), redis-server (the query-memory tests start their own on a loopback port) and
 # headless chromium + chromedriver (the page's browser test, driven by Selenium), kubectl (renders
 # docker/kubernetes with its kustomize; Debian's kubernetes-client when absent, though the overlays
-# need kubectl 1.27+, whose kustomize is v5). apt-get runs only when the command is absent;
+# need kubectl 1.27+, whose kustomize is v5), nginx (the balancer of the cluster test and benchmark,
+# run as this user from a configuration in a temporary folder). apt-get runs only when the command is absent;
 # `apt-get update` if lists lack.
 system-tools:
 	@command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || { \
@@ -40,6 +41,10 @@ system-tools:
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y -qq kubernetes-client >/dev/null \
 	  || { apt-get update -qq && apt-get install -y -qq kubernetes-client >/dev/null; }; }
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq nginx >/dev/null \
+	  || { apt-get update -qq && apt-get install -y -qq nginx >/dev/null; }; }
 
 # Lay out the embedded Fashion-MNIST where torchvision expects it (installs Debian's package when it can).
 data: setup

@@ -6,15 +6,18 @@ import asyncio
 import logging.config
 import math
 import signal
+import socket
 import threading
 from collections.abc import Generator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
 from detector.errors import ArtefactError, ConfigError, LapguardError
+from service.address_file import bound_address, remove_address, write_address
 from service.app import create_app
 from service.logs import logging_config
 from service.runtime import Runtime, batch_close_timeout_s
@@ -26,13 +29,30 @@ logger = logging.getLogger("lapguard.service")
 class Server(uvicorn.Server):
     """uvicorn's server, which also marks the app as draining (``/readyz`` 503) on SIGTERM/SIGINT,
     before uvicorn stops accepting and waits for in-flight requests, and reloads the bundle on
-    SIGHUP (from its directory, read again: see :meth:`Runtime.reload`; the outcome is logged)."""
+    SIGHUP (from its directory, read again: see :meth:`Runtime.reload`; the outcome is logged).
+    With a ``state_file``, it records the address it listens on there once it does (see
+    service/address_file.py: the container health check reads it) and removes it on stop."""
 
-    def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
+    def __init__(
+        self, config: uvicorn.Config, runtime: Runtime, state_file: Path | None = None
+    ) -> None:
         super().__init__(config)
         self.runtime = runtime
+        self.state_file = state_file
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reloads: set[asyncio.Task[None]] = set()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        listeners = [sock for server in self.servers for sock in server.sockets or ()]
+        address = bound_address(listeners) if self.started else None
+        if self.state_file is not None and address is not None:
+            write_address(self.state_file, *address)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.state_file is not None:
+            remove_address(self.state_file)
+        await super().shutdown(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.runtime.draining = True
@@ -95,7 +115,7 @@ def build_server(settings: Settings, app: FastAPI | None = None) -> Server:
         timeout_graceful_shutdown=graceful_shutdown_s(settings),
         timeout_keep_alive=5,
     )
-    return Server(config, app.state.runtime)
+    return Server(config, app.state.runtime, state_file=settings.state_file)
 
 
 def serve(settings: Settings) -> None:

@@ -41,6 +41,14 @@ class Settings(BaseSettings):
             "(unset: off; 0: any free port; needs the grpc extra)"
         ),
     )
+    state_file: Path | None = Field(
+        default=None,
+        description=(
+            "where the server records the address it listens on once it does (removed on stop): "
+            "the container health check reads the port there, since it never sees the server's "
+            "--port flag; the images set /tmp/lapguard-server.json"
+        ),
+    )
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     target_fpr: float | None = Field(
         default=None,

@@ -19,6 +19,7 @@ from benchmarks import (
     attack_costs,
     attack_probe,
     batch_scoring,
+    cluster_throughput,
     feature_overhead,
     lap_overhead,
     minimal_attacks,
@@ -169,6 +170,16 @@ def test_service_throughput(smoke_run: Path, capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.slow
+def test_cluster_throughput(service_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two replicas in threads behind nginx against one: no failed request, a ratio line."""
+    cluster_throughput.main(["--bundle", str(service_bundle), "--small"])
+    out = capsys.readouterr().out
+    assert re.findall(r"^round 1 (one|two) replicas?: ", out, re.MULTILINE) == ["one", "two"]
+    assert set(re.findall(r"ms, (\d+) errors$", out, re.MULTILINE)) == {"0"}
+    assert positive(*figures(r"^two replicas / one: ([\d.]+)", out))
+
+
+@pytest.mark.slow
 def test_service_peers(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """lapguard against the floor only: MLServer and Ray Serve take minutes to install."""
     service_peers.main(["--bundle", str(smoke_run / "bundle"), "--small"])
@@ -194,7 +205,8 @@ def test_soak(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 MAINTAINED = (
-    "attack_costs", "attack_probe", "batch_scoring", "feature_overhead", "lap_overhead",
+    "attack_costs", "attack_probe", "batch_scoring", "cluster_throughput", "feature_overhead",
+    "lap_overhead",
     "minimal_attacks", "ood_probe", "query_attacks", "query_memory", "service_peers",
     "service_throughput", "soak",
 )  # fmt: skip

@@ -3,6 +3,15 @@ readiness, request ids, Prometheus metrics."""
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -11,6 +20,7 @@ from service import healthcheck
 from service.settings import Settings
 from tests.live_server import LiveServer
 from tests.service_helpers import ADMIN_KEY, CLASSES, STRICT_TARGET_FPR, v2_request
+from tests.test_docker import DOCKERFILES, ROOT, exec_form, final_stage, instructions
 
 
 def test_model_summary_and_health(client, guard) -> None:
@@ -106,3 +116,67 @@ def test_container_healthcheck_probes_the_port_of_the_settings(server, monkeypat
         assert healthcheck.main(["/readyz"]) == 1
     finally:
         server.runtime.draining = False
+
+
+# ---- the container health check, as the engine runs it -------------------------------------------
+def _image_environment(dockerfile: Path, tmp: Path) -> dict[str, str]:
+    """The LAPGUARD_* variables of ``dockerfile``'s ENV, its /tmp moved under ``tmp``: what the
+    engine gives the server and, separately, every health check process."""
+    env = " ".join(rest for keyword, rest in instructions(dockerfile) if keyword == "ENV")
+    pairs = dict(word.split("=", 1) for word in shlex.split(env))
+    image = {
+        k: v.replace("/tmp/", f"{tmp}/") for k, v in pairs.items() if k.startswith("LAPGUARD_")
+    }
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LAPGUARD_")}
+    return {**clean, **image}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_container_healthcheck_probes_the_port_the_server_was_started_with(
+    service_bundle: Path, dockerfile: Path, tmp_path: Path
+) -> None:
+    """`lapguard serve --port P` under the image's environment, whose LAPGUARD_PORT is a port
+    nobody listens on; the image's HEALTHCHECK command, run in a process of its own with that
+    environment, finds the server on P, and no longer once it stopped."""
+    command = exec_form(dict(final_stage(dockerfile))["HEALTHCHECK"].split(" CMD ", 1)[1])
+    with socket.socket() as closed, socket.socket() as probe:
+        closed.bind(("127.0.0.1", 0))  # held, never listening: LAPGUARD_PORT
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        env = {
+            **_image_environment(dockerfile, tmp_path),
+            "LAPGUARD_PORT": str(closed.getsockname()[1]),
+        }
+        assert "LAPGUARD_STATE_FILE" in env, "the image must say where the server records its port"
+        server = subprocess.Popen(
+            [sys.executable, "-m", "training.cli.main", "serve", "--bundle", str(service_bundle),
+             "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+        def health() -> int:
+            return subprocess.run(
+                [sys.executable, *command[1:]], cwd=ROOT, env=env, timeout=30
+            ).returncode
+
+        try:
+            deadline = time.monotonic() + 90
+            while _status(f"http://127.0.0.1:{port}/readyz") != 200:
+                assert server.poll() is None and time.monotonic() < deadline, "not ready"
+                time.sleep(0.2)
+            assert health() == 0
+            server.send_signal(signal.SIGTERM)
+            server.communicate(timeout=60)
+        finally:
+            server.kill()
+        assert not Path(env["LAPGUARD_STATE_FILE"]).exists()
+        assert health() == 1
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
