@@ -108,12 +108,12 @@ class InputSpec(BaseModel):
     def describe_resize(self) -> str:
         """How an image of another size becomes the input, in words."""
         size = f"{self.height}x{self.width}"
-        how = f"{self.interpolation or 'bilinear'}, antialiased"
+        how = f"antialiased {self.interpolation or 'bilinear'}"
         if self.resize == "strict":
             return f"only {size} images (strict)"
         if self.crop == "center":
-            return f"shorter side to {self.resize_to} ({how}), then the centre {size}"
-        return f"stretched to {size} ({how})"
+            return f"shorter side to {self.resize_to} then centre crop {size} ({how})"
+        return f"stretch to {size} ({how})"
 
     @model_validator(mode="after")
     def _check_normalization(self) -> InputSpec:

@@ -163,5 +163,5 @@ def test_a_config_with_the_policy_round_trips_with_it() -> None:
     again = NetworkConfig.model_validate_json(config.model_dump_json())
     assert again == config and again.model_dump_json() == config.model_dump_json()
     assert config.input_spec.describe_resize() == (
-        "shorter side to 32 (bicubic, antialiased), then the centre 28x28"
+        "shorter side to 32 then centre crop 28x28 (antialiased bicubic)"
     )
