@@ -165,3 +165,16 @@ def test_a_config_with_the_policy_round_trips_with_it() -> None:
     assert config.input_spec.describe_resize() == (
         "shorter side to 32 then centre crop 28x28 (antialiased bicubic)"
     )
+
+
+def test_a_reload_keeps_the_served_resize_policy() -> None:
+    """Queued uploads were converted by the served policy: a bundle with another is refused."""
+    from types import SimpleNamespace
+
+    from service.reload import check_compatible
+
+    served = SimpleNamespace(input_spec=CROPPED)
+    stretch = SimpleNamespace(input_spec=InputSpec(height=224, width=224, **RGB))
+    with pytest.raises(ArtefactError, match="resize_to 256 -> None, crop center -> None"):
+        check_compatible(served, stretch)
+    check_compatible(served, SimpleNamespace(input_spec=CROPPED.model_copy()))
