@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file as _load_numpy
 from safetensors.numpy import save_file as _save_numpy
 
-from detector.errors import ArtefactError
+from detector.errors import ArtefactError, validation_problems
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -132,7 +132,8 @@ def read_model(path: str | Path, model: type[ModelT], *, what: str = "file") -> 
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise ArtefactError(f"{what} {path} is not a valid {model.__name__}: {error}") from error
+        problems = validation_problems(error.errors())
+        raise ArtefactError(f"{what} {path} is not a valid {model.__name__}: {problems}") from error
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

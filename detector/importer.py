@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import ValidationError
@@ -36,7 +36,9 @@ class ImportRequest:
     """What ``lapguard import`` was asked: the architecture (``torchvision:NAME``/``timm:NAME``)
     and its builder's ``arguments``, the weights file, the output directory, and optionally the
     input spec, the classes and tap name patterns (None: the architecture's defaults, the
-    weights' class count, the known taps of its blocks)."""
+    weights' class count, the known taps of its blocks). ``resize_to`` and ``crop`` set how
+    uploads of another size are resized (:class:`InputSpec`): ``crop="none"`` stretches, a
+    ``resize_to`` alone crops the centre; None: the architecture's eval transform."""
 
     architecture: str
     weights: Path
@@ -49,6 +51,8 @@ class ImportRequest:
     class_names: tuple[str, ...] | None = None
     num_classes: int | None = None
     taps: tuple[str, ...] | None = None
+    resize_to: int | None = None
+    crop: Literal["center", "none"] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class ImportResult:
             f"  classes  {config.num_classes}: {shown}",
             f"  input    {spec.channels}x{spec.height}x{spec.width} in {list(spec.value_range)}, "
             f"mean {spec.mean}, std {spec.std}",
+            f"  resize   {spec.describe_resize()}",
             f"  taps     {len(taps)} residual taps: {taps[0]} ... {taps[-1]}",
             "  check    the reloaded network gives the logits of the weights file",
         ]
@@ -158,17 +163,6 @@ def _input_spec(request: ImportRequest, model: nn.Module) -> tuple[InputSpec, li
     height, width = request.size if request.size is not None else (found.height, found.width)
     mean = request.mean if request.mean is not None else _per_channel(found.mean, channels)
     std = request.std if request.std is not None else _per_channel(found.std, channels)
-    defaulted = [
-        text
-        for text, given in (
-            (f"channels {channels}", request.channels),
-            (f"size {height}x{width}", request.size),
-            (f"mean {list(mean)}", request.mean),
-            (f"std {list(std)}", request.std),
-        )
-        if given is None
-    ]
-    chosen = [f"not given, so from {found.source}: {', '.join(defaulted)}"] if defaulted else []
     try:
         spec = InputSpec(
             channels=channels, height=height, width=width, mean=list(mean), std=list(std)
@@ -176,7 +170,46 @@ def _input_spec(request: ImportRequest, model: nn.Module) -> tuple[InputSpec, li
     except ValidationError as error:
         problems = validation_problems(error.errors(), what="mean/std")
         raise ConfigError(f"bad input spec: {problems}") from error
+    spec = _with_resize_policy(spec, request, found)
+    defaulted = [
+        text
+        for text, given in (
+            (f"channels {channels}", request.channels),
+            (f"size {height}x{width}", request.size),
+            (f"mean {list(mean)}", request.mean),
+            (f"std {list(std)}", request.std),
+            (f"resize {spec.describe_resize()}", request.crop or request.resize_to),
+        )
+        if given is None
+    ]
+    chosen = [f"not given, so from {found.source}: {', '.join(defaulted)}"] if defaulted else []
     return spec, chosen
+
+
+def _with_resize_policy(
+    spec: InputSpec, request: ImportRequest, found: zoo.InputDefaults
+) -> InputSpec:
+    """``spec`` with the request's resize policy, the architecture's eval transform for what the
+    request leaves out (its crop fraction kept at the chosen size)."""
+    crop = request.crop or ("center" if request.resize_to is not None else None)
+    resize_to = request.resize_to
+    if crop is None:
+        resize_to = found.resize_to(max(spec.height, spec.width))
+        crop = "center" if resize_to is not None else "none"
+    elif crop == "center" and resize_to is None:
+        resize_to = found.resize_to(max(spec.height, spec.width)) or max(spec.height, spec.width)
+    elif crop == "none" and resize_to is not None:
+        raise ConfigError("--resize-to resizes before a centre crop: drop it or give --crop center")
+    policy = {
+        "resize_to": resize_to if crop == "center" else None,
+        "crop": "center" if crop == "center" else None,
+        "interpolation": "bicubic" if found.interpolation == "bicubic" else None,
+    }
+    try:
+        return InputSpec.model_validate({**spec.model_dump(), **policy})
+    except ValidationError as error:
+        problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in error.errors())
+        raise ConfigError(f"bad resize policy (--resize-to/--crop): {problems}") from error
 
 
 def _config(

@@ -47,8 +47,22 @@ FORMAT_VERSION = 1
 # --------------------------------------------------------------------------------------------
 # Configs that travel with the weights
 # --------------------------------------------------------------------------------------------
+Interpolation: TypeAlias = Literal["bilinear", "bicubic"]
+#: The fields of the resize policy, written only when set (a spec without them reads as before).
+RESIZE_POLICY = ("resize_to", "crop", "interpolation")
+
+
 class InputSpec(BaseModel):
-    """What images the network takes: shape, value range and the normalization it applies."""
+    """What images the network takes: shape, value range and the normalization it applies, and
+    how an image of another size becomes the network's input.
+
+    ``resize="convert"`` (the default) converts other sizes: with ``crop="center"`` as
+    torchvision's eval transform ``Resize(resize_to)`` + ``CenterCrop((height, width))`` (the
+    shorter side to ``resize_to``, aspect kept, then the centre); without a crop by stretching to
+    (height, width). ``interpolation`` is that resize's (antialiased; default bilinear).
+    ``resize="strict"`` refuses any other shape. An image already of the network's size is taken
+    as it is.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -60,6 +74,46 @@ class InputSpec(BaseModel):
     std: list[float]
     # How a server treats images of another size/channel count: convert them, or refuse them.
     resize: Literal["convert", "strict"] = "convert"
+    resize_to: int | None = Field(default=None, ge=1)
+    crop: Literal["center"] | None = None
+    interpolation: Interpolation | None = None
+
+    @model_validator(mode="after")
+    def _check_resize_policy(self) -> InputSpec:
+        given = [name for name in RESIZE_POLICY if getattr(self, name) is not None]
+        if self.resize == "strict" and given:
+            raise ValueError(f"a strict input spec resizes nothing: drop {', '.join(given)}")
+        if (self.resize_to is None) != (self.crop is None):
+            raise ValueError(
+                "resize_to and crop go together: the shorter side is resized to resize_to, then "
+                'cropped at the center (crop "center")'
+            )
+        if self.resize_to is not None and self.resize_to < max(self.height, self.width):
+            raise ValueError(
+                f"resize_to {self.resize_to} is smaller than the {self.height}x{self.width} crop: "
+                f"the shorter side must be at least {max(self.height, self.width)}"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_policy(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The resize policy is written only when set, so the specs of networks without one (and
+        the configs, manifests and fingerprints that hold them) read as they always have."""
+        data: dict[str, Any] = handler(self)
+        for name in RESIZE_POLICY:
+            if data.get(name, []) is None:
+                del data[name]
+        return data
+
+    def describe_resize(self) -> str:
+        """How an image of another size becomes the input, in words."""
+        size = f"{self.height}x{self.width}"
+        how = f"antialiased {self.interpolation or 'bilinear'}"
+        if self.resize == "strict":
+            return f"only {size} images (strict)"
+        if self.crop == "center":
+            return f"shorter side to {self.resize_to} then centre crop {size} ({how})"
+        return f"stretch to {size} ({how})"
 
     @model_validator(mode="after")
     def _check_normalization(self) -> InputSpec:

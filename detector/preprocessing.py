@@ -39,9 +39,9 @@ def quantize_uint8(images: np.ndarray, value_range: tuple[float, float] = (0.0, 
 def prepare_images(images: Sequence[np.ndarray] | np.ndarray, spec: InputSpec) -> torch.Tensor:
     """Images (uint8 0..255, or floats in the value range; HW, HWC or CHW) -> float32 CPU
     tensor [N, C, H, W] in ``spec``. Channels are converted (RGB -> gray by luma, gray -> RGB by
-    repetition, alpha dropped) and sizes resized (bilinear, antialiased) unless the spec is
-    strict, which refuses any other shape. A numpy array is a stack of images along its first
-    axis."""
+    repetition, alpha dropped) and other sizes resized by the spec's policy (:func:`resize`)
+    unless the spec is strict, which refuses any other shape. A numpy array is a stack of images
+    along its first axis."""
     if isinstance(images, np.ndarray):
         if images.ndim not in (3, 4):
             raise InputError(
@@ -99,15 +99,47 @@ def prepare_one(image: np.ndarray, spec: InputSpec, index: int) -> torch.Tensor:
         )
     x = convert_channels(x, spec.channels, index)
     if x.shape[1:] != (spec.height, spec.width):
-        low, high = spec.value_range
-        x = F.interpolate(
-            x.unsqueeze(0),
-            size=(spec.height, spec.width),
-            mode="bilinear",
-            antialias=True,
-            align_corners=False,
-        )[0].clamp(low, high)
+        x = resize(x, spec)
     return x
+
+
+def resize(x: torch.Tensor, spec: InputSpec) -> torch.Tensor:
+    """CHW of any size -> CHW of the spec's size, by its policy: the shorter side to
+    ``resize_to`` (aspect kept) then the centre, as torchvision's ``Resize`` + ``CenterCrop``,
+    or without a crop a stretch to (height, width). Antialiased; clamped to the value range."""
+    if spec.crop == "center" and spec.resize_to is not None:
+        x = _interpolate(x, shorter_side_size(x.shape[1], x.shape[2], spec.resize_to), spec)
+        return center_crop(x, spec.height, spec.width)
+    return _interpolate(x, (spec.height, spec.width), spec)
+
+
+def shorter_side_size(height: int, width: int, shorter: int) -> tuple[int, int]:
+    """(height, width) with the shorter side ``shorter`` and the aspect ratio kept, rounded as
+    torchvision's ``Resize(int)`` rounds (the longer side truncated)."""
+    if height <= width:
+        return shorter, int(shorter * width / height)
+    return int(shorter * height / width), shorter
+
+
+def center_crop(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The centre ``height`` x ``width`` of CHW ``x`` (at least that large), offsets rounded as
+    torchvision's ``CenterCrop``."""
+    top = int(round((x.shape[1] - height) / 2.0))
+    left = int(round((x.shape[2] - width) / 2.0))
+    return x[:, top : top + height, left : left + width]
+
+
+def _interpolate(x: torch.Tensor, size: tuple[int, int], spec: InputSpec) -> torch.Tensor:
+    if tuple(x.shape[1:]) == size:
+        return x
+    low, high = spec.value_range
+    return F.interpolate(
+        x.unsqueeze(0),
+        size=size,
+        mode=spec.interpolation or "bilinear",
+        antialias=True,
+        align_corners=False,
+    )[0].clamp(low, high)
 
 
 def _pixels(image: np.ndarray, value_range: tuple[float, float], index: int) -> torch.Tensor:

@@ -7,14 +7,17 @@ torchvision builders get ``weights=None``, timm ``pretrained=False``; keyword ar
 (``num_classes``, ``image_size``, ``in_chans``...) go to the builder. timm is an optional extra: ``pip install 'lapguard[timm]'``.
 :func:`input_defaults` gives what the architecture expects when the user does not say: the
 default weights' crop size and normalization for torchvision, ``resolve_model_data_config`` for
-timm; an explicit ``image_size``/``img_size``/``in_chans`` argument wins.
+timm; an explicit ``image_size``/``img_size``/``in_chans`` argument wins. They include the
+eval transform's resize: torchvision's weights resize the shorter side to 256 and crop the centre
+224 (the ratio kept for other sizes), timm's data config gives ``crop_pct`` and ``interpolation``.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -26,6 +29,7 @@ ZOOS = ("torchvision", "timm")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGENET_SIZE = 224
+IMAGENET_CROP_PCT = 0.875  # torchvision's usual eval transform: resize 256, crop 224
 # Arguments that would load weights from elsewhere than the user's file.
 WEIGHT_ARGUMENTS = ("weights", "weights_backbone", "pretrained", "checkpoint_path")
 
@@ -111,7 +115,9 @@ def build_zoo_model(name: str, arguments: Mapping[str, Any]) -> nn.Module:
 @dataclass(frozen=True)
 class InputDefaults:
     """What an architecture expects: image shape and normalization (for the zoo's usual channel
-    count, which an ``in_chans`` argument may change), and where they come from."""
+    count, which an ``in_chans`` argument may change), its eval transform's resize (the crop's
+    fraction of the resized shorter side; None: a stretch) and interpolation, and where they
+    come from."""
 
     channels: int
     height: int
@@ -119,6 +125,17 @@ class InputDefaults:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     source: str
+    crop_pct: float | None = None
+    interpolation: str = "bilinear"
+    floor: bool = False  # timm floors size / crop_pct; torchvision's resize sizes are rounded
+
+    def resize_to(self, size: int) -> int | None:
+        """The shorter side to resize to before a centre crop of ``size``, the zoo's ratio kept;
+        None when the zoo stretches."""
+        if self.crop_pct is None:
+            return None
+        scaled = size / self.crop_pct
+        return math.floor(scaled) if self.floor else round(scaled)
 
 
 def _torchvision_defaults(model_name: str) -> InputDefaults:
@@ -129,15 +146,20 @@ def _torchvision_defaults(model_name: str) -> InputDefaults:
         preset = models.get_model_weights(model_name).DEFAULT.transforms()
         size = int(preset.crop_size[0])
         mean, std = tuple(preset.mean), tuple(preset.std)
-    except (AttributeError, KeyError, ValueError, TypeError, IndexError):
+        crop_pct = size / int(preset.resize_size[0])
+        interpolation = str(preset.interpolation.value)
+    except (AttributeError, KeyError, ValueError, TypeError, IndexError, ZeroDivisionError):
         size, mean, std = IMAGENET_SIZE, IMAGENET_MEAN, IMAGENET_STD
+        crop_pct, interpolation = IMAGENET_CROP_PCT, "bilinear"
         source = "ImageNet's (torchvision's usual)"
-    return InputDefaults(len(mean), size, size, mean, std, source)
+    return InputDefaults(len(mean), size, size, mean, std, source, crop_pct, interpolation)
 
 
 def _timm_defaults(model: nn.Module, model_name: str) -> InputDefaults:
     config = _timm().data.resolve_model_data_config(model)
     channels, height, width = (int(v) for v in config["input_size"])
+    # only timm's "center" crop mode is a resize of the shorter side then a centre crop
+    centred = config.get("crop_mode", "center") == "center" and config.get("crop_pct")
     return InputDefaults(
         channels,
         height,
@@ -145,6 +167,9 @@ def _timm_defaults(model: nn.Module, model_name: str) -> InputDefaults:
         tuple(float(v) for v in config["mean"]),
         tuple(float(v) for v in config["std"]),
         f"timm's data config of {model_name}",
+        crop_pct=float(config["crop_pct"]) if centred else None,
+        interpolation=str(config.get("interpolation", "bilinear")),
+        floor=True,
     )
 
 
@@ -167,10 +192,8 @@ def input_defaults(name: str, model: nn.Module, arguments: Mapping[str, Any]) ->
     )
     size = _argument_size(arguments)
     if size is not None:
-        found = InputDefaults(found.channels, *size, found.mean, found.std, found.source)
+        found = replace(found, height=size[0], width=size[1])
     channels = arguments.get("in_chans")
     if isinstance(channels, int):
-        found = InputDefaults(
-            channels, found.height, found.width, found.mean, found.std, found.source
-        )
+        found = replace(found, channels=channels)
     return found

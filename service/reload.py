@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from detector.artefacts import sha256_file
 from detector.bundle import MANIFEST_FILE
 from detector.errors import ArtefactError
+from detector.networks import RESIZE_POLICY
 
 if TYPE_CHECKING:
     from detector.guard import Guard
@@ -64,9 +65,9 @@ def load_served(
 
 def check_compatible(served: Guard, new: Guard) -> None:
     """Refuse a Guard whose inputs differ from the served one's in shape, value range or resize
-    rule: queued requests were converted to the served spec, and clients rely on it."""
+    rule and policy: queued requests were converted to the served spec, and clients rely on it."""
     old_spec, new_spec = served.input_spec, new.input_spec
-    keys = ("channels", "height", "width", "value_range", "resize")
+    keys = ("channels", "height", "width", "value_range", "resize", *RESIZE_POLICY)
     old_view = {key: getattr(old_spec, key) for key in keys}
     new_view = {key: getattr(new_spec, key) for key in keys}
     if old_view != new_view:

@@ -102,6 +102,7 @@ def test_given_spec_classes_and_tap_patterns_are_kept(tmp_path: Path, capsys) ->
     classes = [f"c{i}" for i in range(10)]
     spec = ["--channels", "3", "--input-size", "32", "40", "--mean", "0.5", "0.4", "0.3"]
     spec += ["--std", "0.2", "0.2", "0.2", "--classes", *classes, "--taps", "layer[34].*.bn2"]
+    spec += ["--crop", "none"]
     assert _import("torchvision:resnet18", weights, tmp_path / "net", *spec) == 0
     assert "not given" not in capsys.readouterr().out
     config = networks.read_config(tmp_path / "net")
@@ -110,6 +111,7 @@ def test_given_spec_classes_and_tap_patterns_are_kept(tmp_path: Path, capsys) ->
     ]  # fmt: skip
     assert (config.input_spec.height, config.input_spec.width) == (32, 40)
     assert config.input_spec.mean == [0.5, 0.4, 0.3]
+    assert (config.input_spec.resize_to, config.input_spec.crop) == (None, None)  # a stretch
     assert networks.load(tmp_path / "net").tap_names()[0] == "model.layer3.0.bn2"
 
 
@@ -191,8 +193,11 @@ def test_a_timm_network_takes_timms_data_config(tmp_path: Path, capsys) -> None:
     assert (
         "timm's data config" in printed and "size 32x32" in printed and "4 residual taps" in printed
     )
+    assert "resize shorter side to 35 then centre crop 32x32 (antialiased bicubic)" in printed
     loaded = networks.load(tmp_path / "net")
     assert loaded.config is not None and loaded.config.input_spec.mean == [0.5, 0.5, 0.5]
+    spec = loaded.config.input_spec  # crop_pct 0.9, floored as timm does: 32 / 0.9 -> 35
+    assert (spec.resize_to, spec.crop, spec.interpolation) == (35, "center", "bicubic")
     x = torch.rand(3, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(loaded(x), model((x - 0.5) / 0.5), atol=1e-5)
@@ -224,6 +229,8 @@ REFUSALS = [
     (["torchvision:resnet18", "{weights}", "--classes", "a", "b", "--num-classes", "10"], "the class counts disagree: --classes 2, --num-classes 10"),
     (["torchvision:resnet18", "{weights}", "--channels", "1"], "does not run on 1x224x224 images"),
     (["torchvision:resnet18", "{weights}", "--std", "0", "1", "1"], "bad input spec: mean/std: Value error, std values must be positive"),
+    (["torchvision:resnet18", "{weights}", "--resize-to", "200"], "bad resize policy (--resize-to/--crop): resize_to 200 is smaller than the 224x224 crop"),
+    (["torchvision:resnet18", "{weights}", "--resize-to", "256", "--crop", "none"], "--resize-to resizes before a centre crop: drop it or give --crop center"),
 ]  # fmt: skip
 
 
@@ -270,3 +277,34 @@ def test_configs_keep_taps_and_class_counts_consistent() -> None:
         NetworkConfig(architecture="torchvision:resnet18", arguments={"num_classes": 3}, **common)
     with pytest.raises(ValueError, match="did you mean torchvision:resnet18"):
         NetworkConfig(architecture="torchvision:resnet81", **common)
+
+
+# ---- how uploads of another size are resized ------------------------------------------------
+POLICIES = [
+    ([], (256, "center"), "resize shorter side to 256 then centre crop 224x224"),
+    (["--input-size", "64"], (73, "center"), "resize shorter side to 73 then centre crop 64x64"),
+    (["--resize-to", "300"], (300, "center"), None),
+    (["--crop", "center", "--input-size", "32"], (37, "center"), None),
+    (["--crop", "none"], (None, None), None),
+]
+
+
+@pytest.mark.parametrize(("flags", "policy", "printed"), POLICIES)
+def test_torchvisions_eval_transform_sets_the_resize_unless_given(
+    flags: list[str],
+    policy: tuple,
+    printed: str | None,
+    user_files: dict[str, Path],
+    tmp_path: Path,
+    capsys,
+) -> None:
+    """resnet18's weights resize the shorter side to 256 and crop 224: the ratio is kept at other
+    sizes (round(64 / 0.875) = 73); --resize-to/--crop win and are not reported as chosen."""
+    assert _import("torchvision:resnet18", user_files["weights"], tmp_path / "net", *flags) == 0
+    out = capsys.readouterr().out
+    spec = networks.read_config(tmp_path / "net").input_spec
+    assert (spec.resize_to, spec.crop, spec.interpolation) == (*policy, None)
+    assert ("resize shorter" in out.split("imported")[0]) == (printed is not None)
+    if printed is not None:
+        assert f"{printed} (antialiased bilinear)" in out
+    assert f"  resize   {spec.describe_resize()}" in out

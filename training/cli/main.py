@@ -111,8 +111,9 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
         "file (no training)",
         description="Writes OUT (model.safetensors + config.json), which attacks, detectors, "
         "bundles and the server read like a network lapguard trained. What is not given comes "
-        "from the architecture (its input size and normalization, the weights' class count, the "
-        "residual taps of its blocks) and is printed. Nothing is written on any error.",
+        "from the architecture (its input size, normalization and resize of other sizes, the "
+        "weights' class count, the residual taps of its blocks) and is printed. Nothing is "
+        "written on any error.",
     )
     p.add_argument(
         "architecture",
@@ -140,6 +141,21 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-size", type=int, nargs="+", metavar="N", help="S (square) or H W")
     p.add_argument("--mean", type=float, nargs="+", metavar="M", help="one per channel, in [0, 1]")
     p.add_argument("--std", type=float, nargs="+", metavar="S", help="one per channel")
+    p.add_argument(
+        "--resize-to",
+        type=int,
+        default=None,
+        metavar="N",
+        help="uploads of another size: the shorter side to N, then the centre crop (default: "
+        "the architecture's eval transform, e.g. torchvision's 256 then 224)",
+    )
+    p.add_argument(
+        "--crop",
+        choices=("center", "none"),
+        default=None,
+        help="center: resize the shorter side then crop the centre; none: stretch to the input "
+        "size (default: the architecture's)",
+    )
     p.add_argument("--classes", nargs="+", metavar="NAME", help="class names, in logit order")
     p.add_argument(
         "--num-classes",
@@ -206,6 +222,8 @@ def _run_import(args: argparse.Namespace) -> int:
         class_names=tuple(args.classes) if args.classes else None,
         num_classes=args.num_classes,
         taps=tuple(args.taps) if args.taps else None,
+        resize_to=args.resize_to,
+        crop=args.crop,
     )
     return _print_lines(import_network(request).lines())
 
