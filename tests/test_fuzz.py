@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +18,6 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-from schemathesis.config import _checks as defaults
 from schemathesis.errors import FailureGroup
 
 from service.settings import Settings
@@ -25,28 +25,10 @@ from tests.live_server import LiveServer
 from tests.service_helpers import API_KEY, LIMITS
 
 KEYED = {"X-API-Key": API_KEY}
-#: Every check of the installed schemathesis runs on every answer (none is named here), with
-#: what the server legitimately answers that no schema can say: a request that fits the schema
-#: may still carry an image that does not decode, base64 that is not, or a v2 shape its data
-#: does not fill (400), or more images than the server takes at once (413, also for a request
-#: that does not fit the schema: the limit is a setting, not part of the document); a reload may
-#: name a directory that holds no bundle (422, the old one keeps serving).
-ACCEPTED = [*defaults.POSITIVE_DATA_ACCEPTANCE_EXPECTED_STATUSES, "400", "413"]
-REJECTED = [*defaults.NEGATIVE_DATA_REJECTION_EXPECTED_STATUSES, "413"]
-CONFIG = schemathesis.Config.from_dict(
-    {
-        "checks": {
-            "positive_data_acceptance": {"expected-statuses": ACCEPTED},
-            "negative_data_rejection": {"expected-statuses": REJECTED},
-        },
-        "operations": [
-            {
-                "include-name": "POST /v1/admin/reload",
-                "checks": {"positive_data_acceptance": {"expected-statuses": [*ACCEPTED, "422"]}},
-            }
-        ],
-    }
-)
+#: Every check of the installed schemathesis runs on every answer (none is named here), with the
+#: statuses the repository's schemathesis.toml adds for what no schema can say (the file `st run`
+#: reads when started from the repository).
+CONFIG = schemathesis.Config.from_path(Path(__file__).resolve().parents[1] / "schemathesis.toml")
 #: server -> (name, generation mode, headers, served model in the path, cases per operation at
 #: most): the keyed server gets the key with requests that fit the schema and with requests that
 #: do not, both naming the served model where a path names one (or /v2 would answer 404 before
