@@ -19,9 +19,14 @@ from filelock import FileLock
 from PIL import Image
 
 from detector.networks import InputSpec, NetworkConfig, build_network
-from service.settings import Settings
 from tests.live_server import LiveServer
-from tests.service_helpers import API_KEY, LIMITS, build_service_bundle, encode, synthetic_images
+from tests.service_helpers import (
+    API_KEY,
+    build_service_bundle,
+    encode,
+    server_settings,
+    synthetic_images,
+)
 from training.data.datasets import FASHION_CLASSES, default_root, prepare_fashion_mnist
 
 
@@ -115,15 +120,7 @@ def guard(service_bundle: Path):
 @pytest.fixture(scope="module")
 def server(service_bundle: Path) -> Iterator[LiveServer]:
     """Loads the bundle itself in its lifespan (like `lapguard serve`), with an API key and small limits."""
-    settings = Settings(
-        bundle=service_bundle,
-        device="cpu",
-        api_key=API_KEY,
-        max_batch_size=8,
-        max_wait_ms=2,
-        **LIMITS,
-    )
-    with LiveServer(settings) as live:
+    with LiveServer(server_settings(service_bundle)) as live:
         yield live
 
 

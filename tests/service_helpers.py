@@ -18,6 +18,7 @@ from PIL import Image
 
 from detector.images import decode_image
 from detector.networks import InputSpec, NetworkConfig, build_network, save
+from service.settings import Settings
 
 API_KEY = "test-key-123"
 ADMIN_KEY = "admin-key-456"
@@ -37,6 +38,13 @@ PREDICTION_KEYS = {
 
 
 # ---- data ---------------------------------------------------------------------------------------
+def server_settings(bundle: Path, **overrides: Any) -> Settings:
+    """The settings of the service tests' server on ``bundle``: CPU, the API key, batches of up
+    to 8 within 2 ms and the small :data:`LIMITS`; ``overrides`` replace any of them."""
+    fields: dict[str, Any] = {"device": "cpu", "api_key": API_KEY, "max_batch_size": 8}
+    return Settings(bundle=bundle, **{**fields, "max_wait_ms": 2, **LIMITS, **overrides})
+
+
 def synthetic_images(n: int, seed: int) -> np.ndarray:
     """Smooth seeded blobs, float32 [n, 1, 28, 28] in [0, 1]."""
     rng = np.random.default_rng(seed)

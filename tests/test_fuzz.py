@@ -20,9 +20,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.errors import FailureGroup
 
-from service.settings import Settings
 from tests.live_server import LiveServer
-from tests.service_helpers import API_KEY, LIMITS
+from tests.service_helpers import API_KEY, server_settings
 
 KEYED = {"X-API-Key": API_KEY}
 #: Every check of the installed schemathesis runs on every answer (none is named here), with the
@@ -53,9 +52,7 @@ SEED = 15
 @pytest.fixture(scope="module")
 def open_server(service_bundle) -> Iterator[LiveServer]:
     """The conftest server's settings without an API key: its document asks for none."""
-    settings = Settings(
-        bundle=service_bundle, device="cpu", max_batch_size=8, max_wait_ms=2, **LIMITS
-    )
+    settings = server_settings(service_bundle, api_key=None)
     with LiveServer(settings) as live:
         yield live
 

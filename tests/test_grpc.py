@@ -27,11 +27,11 @@ from service.settings import Settings
 from tests.live_server import LiveServer
 from tests.service_helpers import (
     API_KEY,
-    LIMITS,
     decompression_bomb,
     encode,
     ico_image,
     near_duplicates,
+    server_settings,
     synthetic_images,
 )
 from tests.test_service_cli import ROOT, _serve
@@ -45,15 +45,7 @@ OUTPUTS = ("probabilities", "label", "flagged", "score")
 @pytest.fixture(scope="module")
 def live(service_bundle) -> Iterator[LiveServer]:
     """The conftest server's settings (API key, small limits), with gRPC on a free port."""
-    settings = Settings(
-        bundle=service_bundle,
-        device="cpu",
-        api_key=API_KEY,
-        max_batch_size=8,
-        max_wait_ms=2,
-        grpc_port=0,
-        **LIMITS,
-    )
+    settings = server_settings(service_bundle, grpc_port=0)
     with LiveServer(settings) as server:
         yield server
 
