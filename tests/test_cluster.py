@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -17,8 +16,8 @@ import pytest
 
 from benchmarks.cluster import Cluster
 from tests import test_service_query_attack as query_attack
-from tests.service_helpers import ADMIN_KEY, near_duplicates, rewrite_bundle
-from tests.test_service_reload import NEW_THRESHOLD, Answer, Load
+from tests.service_helpers import ADMIN_KEY, near_duplicates
+from tests.test_service_reload import NEW_THRESHOLD, Answer, Bundles, Load, two_versions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -26,26 +25,14 @@ K = query_attack.K
 fashion = query_attack.fashion  # the fixture: Fashion-MNIST test images
 
 
-@dataclass
-class Versions:
-    old: Path  # version 7, served at start
-    new: Path  # version 8, threshold NEW_THRESHOLD: every answer flagged
-    old_threshold: float
+@pytest.fixture(scope="module")
+def versions(service_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Bundles:
+    """Version 7, served at start, and version 8, whose every answer is flagged."""
+    return two_versions(service_bundle, tmp_path_factory.mktemp("cluster"))
 
 
 @pytest.fixture(scope="module")
-def versions(service_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Versions:
-    import json
-
-    root = tmp_path_factory.mktemp("cluster")
-    old = rewrite_bundle(service_bundle, root / "v7")
-    new = rewrite_bundle(service_bundle, root / "v8", version="8", threshold=NEW_THRESHOLD)
-    threshold = json.loads((old / "manifest.json").read_text())["threshold"]
-    return Versions(old=old, new=new, old_threshold=threshold)
-
-
-@pytest.fixture(scope="module")
-def cluster(versions: Versions, redis_url: str) -> Iterator[Cluster]:
+def cluster(versions: Bundles, redis_url: str) -> Iterator[Cluster]:
     """Two replicas of version 7 on one torch thread each, their query memory in a Redis
     database of their own, behind nginx. The tests run in file order: the last kills one."""
     env = {
@@ -89,7 +76,7 @@ def test_a_query_attack_spread_over_both_replicas_is_caught_as_on_one(
     assert caught - sum(attacks) == K
 
 
-def _check_rollover(answers: list[Answer], versions: Versions, started: float, done: float) -> None:
+def _check_rollover(answers: list[Answer], versions: Bundles, started: float, done: float) -> None:
     """Every request answered 200 by one version, whole; version 7 before the rollover began,
     version 8 once it was done, both in between."""
     failed = [a for a in answers if a.status != 200]
@@ -105,7 +92,7 @@ def _check_rollover(answers: list[Answer], versions: Versions, started: float, d
 
 
 def test_a_reload_rolled_over_the_replicas_answers_every_request(
-    cluster: Cluster, versions: Versions, images: list[bytes]
+    cluster: Cluster, versions: Bundles, images: list[bytes]
 ) -> None:
     load = Load(cluster.url, images[2], clients=4)
     try:

@@ -47,13 +47,18 @@ class Bundles:
     old_threshold: float
 
 
-@pytest.fixture(scope="module")
-def bundles(service_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Bundles:
-    root = tmp_path_factory.mktemp("reload")
+def two_versions(service_bundle: Path, root: Path) -> Bundles:
+    """Copies of ``service_bundle`` under ``root``: version 7 as it is, and version 8 with
+    :data:`NEW_THRESHOLD`."""
     old = rewrite_bundle(service_bundle, root / "v7")
     new = rewrite_bundle(service_bundle, root / "v8", version="8", threshold=NEW_THRESHOLD)
     threshold = json.loads((old / "manifest.json").read_text())["threshold"]
     return Bundles(old=old, new=new, old_threshold=threshold)
+
+
+@pytest.fixture(scope="module")
+def bundles(service_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Bundles:
+    return two_versions(service_bundle, tmp_path_factory.mktemp("reload"))
 
 
 def _settings(bundle: Path, **keys: str) -> Settings:
