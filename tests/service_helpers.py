@@ -180,6 +180,43 @@ def build_service_bundle(tmp: Path) -> Path:
     )
 
 
+def noise_bundle(
+    network_dir: Path, out: Path, shape: tuple[int, ...], *, min_class_samples: int, name: str
+) -> tuple[Path, np.ndarray]:
+    """A bundle of the network in ``network_dir``: a small transport forest fitted on its features
+    of seeded random images of ``shape`` (clean) and their noised copies (abnormal), threshold
+    at 10% FPR on the clean ones. Returns the bundle and the clean images."""
+    from detector.bundle import write_bundle
+    from detector.calibration import Calibration, calibrate_threshold
+    from detector.features import extract_features
+    from detector.forest import TransportDetector
+    from detector.networks import load
+
+    network = load(network_dir)
+    rng = np.random.default_rng(0)
+    clean = rng.random(shape, dtype=np.float32)
+    noisy = np.clip(clean + rng.normal(0, 0.3, clean.shape), 0, 1).astype(np.float32)
+    (f_clean, l_clean), (f_noisy, l_noisy) = (extract_features(network, x) for x in (clean, noisy))
+    n = len(clean)
+    detector = TransportDetector(
+        n_estimators=5, max_depth=3, min_class_samples=min_class_samples
+    ).fit(
+        np.concatenate([f_clean, f_noisy]),
+        np.repeat([False, True], n),
+        np.concatenate([l_clean.argmax(1), l_noisy.argmax(1)]),
+    )
+    threshold = calibrate_threshold(detector.score(f_clean, l_clean.argmax(1)), 0.1)
+    bundle = write_bundle(
+        out,
+        network_dir=network_dir,
+        detector=detector,
+        calibration=Calibration(threshold=threshold, target_fpr=0.1, achieved_fpr=0.1, n=n),
+        name=name,
+        dataset="random",
+    )
+    return bundle, clean
+
+
 def rewrite_bundle(source: Path, target: Path, **fields: Any) -> Path:
     """A copy of bundle ``source`` at ``target`` with top-level manifest ``fields`` replaced (e.g.
     another version and threshold; the operating points go unless given, since another threshold

@@ -20,6 +20,7 @@ from detector.block_taps import known_residual_taps
 from detector.features import TransportFeatureExtractor, extract_features
 from detector.networks import ImportedNetwork, InputSpec, NetworkConfig
 from detector.taps import ResidualTaps, Tap, Taps
+from tests.service_helpers import noise_bundle
 from training.cli.main import main
 
 IMAGENET_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
@@ -149,32 +150,18 @@ def test_recorded_residuals_survive_in_place_shortcut_adds_and_carry_gradients()
 
 
 def test_an_imported_network_serves_through_a_bundle_and_the_guard(tmp_path: Path) -> None:
-    from detector.bundle import write_bundle
-    from detector.calibration import Calibration, calibrate_threshold
-    from detector.forest import TransportDetector
     from detector.guard import Guard
 
     weights = _save(_vit(), tmp_path / "user", "pt")
     assert _import("torchvision:VisionTransformer", weights, tmp_path / "net", *VIT_ARGS) == 0
-    network = networks.load(tmp_path / "net")
-    rng = np.random.default_rng(0)
-    clean = rng.random((40, 3, 32, 32), dtype=np.float32)
-    noisy = np.clip(clean + rng.normal(0, 0.3, clean.shape), 0, 1).astype(np.float32)
-    (f_clean, l_clean), (f_noisy, l_noisy) = (extract_features(network, x) for x in (clean, noisy))
-    detector = TransportDetector(n_estimators=5, max_depth=3, min_class_samples=50).fit(
-        np.concatenate([f_clean, f_noisy]),
-        np.repeat([False, True], 40),
-        np.concatenate([l_clean.argmax(1), l_noisy.argmax(1)]),
-    )
-    threshold = calibrate_threshold(detector.score(f_clean, l_clean.argmax(1)), 0.1)
-    bundle = write_bundle(
+    bundle, clean = noise_bundle(
+        tmp_path / "net",
         tmp_path / "bundle",
-        network_dir=tmp_path / "net",
-        detector=detector,
-        calibration=Calibration(threshold=threshold, target_fpr=0.1, achieved_fpr=0.1, n=40),
+        (40, 3, 32, 32),
+        min_class_samples=50,
         name="imported-vit",
-        dataset="random",
     )
+    _, l_clean = extract_features(networks.load(tmp_path / "net"), clean[:6])
     result = Guard.from_bundle(bundle, device="cpu").predict(clean[:6])
     assert (result.labels == l_clean[:6].argmax(1)).all()
     assert np.isfinite(result.scores).all() and result.blocks is not None

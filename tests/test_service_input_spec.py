@@ -18,7 +18,7 @@ from detector.guard import Guard
 from detector.images import decode_image
 from service.settings import Settings
 from tests.live_server import LiveServer
-from tests.service_helpers import API_KEY, assert_matches, encode, expected
+from tests.service_helpers import API_KEY, assert_matches, encode, expected, noise_bundle
 from training.cli.main import main
 
 # A ViT small enough to run at 224x224 in milliseconds: 49 patches of 32, one block of width 16.
@@ -36,36 +36,15 @@ def _photo(height: int = 375, width: int = 500, seed: int = 0) -> np.ndarray:
 def _imported_bundle(tmp: Path) -> Path:
     """The ViT imported with torchvision's eval resize (the default) and a small transport forest
     on its features of clean and noised 224x224 images."""
-    from detector.bundle import write_bundle
-    from detector.calibration import Calibration, calibrate_threshold
-    from detector.features import extract_features
-    from detector.forest import TransportDetector
-    from detector.networks import load
-
     torch.manual_seed(0)
     model = VisionTransformer(**VIT, mlp_dim=32, num_classes=3).eval()
     torch.save(model.state_dict(), tmp / "weights.pt")
     command = ["import", "torchvision:VisionTransformer", "--weights", str(tmp / "weights.pt")]
     assert main([*command, "--out", str(tmp / "net"), *VIT_ARGS]) == 0
-    network = load(tmp / "net")
-    rng = np.random.default_rng(0)
-    clean = rng.random((24, 3, 224, 224), dtype=np.float32)
-    noisy = np.clip(clean + rng.normal(0, 0.3, clean.shape), 0, 1).astype(np.float32)
-    (f_clean, l_clean), (f_noisy, l_noisy) = (extract_features(network, x) for x in (clean, noisy))
-    detector = TransportDetector(n_estimators=5, max_depth=3, min_class_samples=5).fit(
-        np.concatenate([f_clean, f_noisy]),
-        np.repeat([False, True], 24),
-        np.concatenate([l_clean.argmax(1), l_noisy.argmax(1)]),
-    )
-    threshold = calibrate_threshold(detector.score(f_clean, l_clean.argmax(1)), 0.1)
-    return write_bundle(
-        tmp / "bundle",
-        network_dir=tmp / "net",
-        detector=detector,
-        calibration=Calibration(threshold=threshold, target_fpr=0.1, achieved_fpr=0.1, n=24),
-        name="imported-vit",
-        dataset="random",
-    )
+    shape = (24, 3, 224, 224)
+    return noise_bundle(
+        tmp / "net", tmp / "bundle", shape, min_class_samples=5, name="imported-vit"
+    )[0]
 
 
 @pytest.fixture(scope="module")
