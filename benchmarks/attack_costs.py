@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from benchmarks import small
-from training.attacks.sets import attack_images, get_or_generate
+from training.attacks.sets import get_or_generate
+from training.data.network_images import attack_images
 from training.rundir import RunDir
 
 # (label, attack, parameter overrides, images). The seed's settings except where stated; the

@@ -31,7 +31,7 @@ import torch
 from benchmarks import small
 from detector.networks import load
 from training.attacks.registry import generate, predict_labels
-from training.attacks.sets import attack_images
+from training.data.network_images import attack_images
 from training.presets.pipelines import get_pipeline_preset
 
 PAIRS = [("cw", "cw-batched"), ("deepfool", "deepfool-batched"), ("apgd", "apgd-batched")]

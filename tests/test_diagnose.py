@@ -129,7 +129,7 @@ def test_every_measure_has_one_value_per_block_or_layer(diagnosed: dict) -> None
 
 def test_the_head_layer_reads_the_network_prediction(diagnosed: dict, tiny_run: Path) -> None:
     from detector import networks
-    from training.attacks.sets import attack_images
+    from training.data.network_images import attack_images
 
     x, y, _ = attack_images(RunDir(tiny_run).model("a"), n=40, seed=0)
     with torch.no_grad():

@@ -227,7 +227,7 @@ def test_bundle_scores_like_the_evaluation(smoke_run, data_root) -> None:
     )
     with np.load(smoke_run / "features" / "lap" / "clean.npz", allow_pickle=False) as clean:
         logits = clean["logits"]
-    from training.attacks.sets import attack_images
+    from training.data.network_images import attack_images
 
     x, _, _ = attack_images(smoke_run / "models" / "lap", n=64, root=data_root)
     result = guard.predict(x)
@@ -285,7 +285,7 @@ def test_held_out_clean_flags_split_by_whether_the_network_is_right(smoke_run, d
     import torch
 
     from detector.networks import load
-    from training.attacks.sets import attack_images
+    from training.data.network_images import attack_images
     from training.evaluation.protocols import Split
 
     info = json.loads((smoke_run / "detector" / "deployable.json").read_text())
@@ -348,7 +348,8 @@ def _held_out(
     """The held-out (B2) perturbed images of one attack set of the smoke run's deploy network,
     rebuilt from its store (the rows the pipeline scored: those the attack moved), and their
     source images' true labels."""
-    from training.attacks.sets import attack_images, get_or_generate
+    from training.attacks.sets import get_or_generate
+    from training.data.network_images import attack_images
     from training.evaluation.protocols import Split
 
     model_dir = smoke_run / "models" / info["network"]

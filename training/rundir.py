@@ -67,6 +67,7 @@ NETWORKS_FIGURE = "dynamics_networks.png"
 ATTACKS_FIGURE = "dynamics_attacks.png"
 
 TRAIN_CONFIG_FILE = "train_config.json"
+IMPORT_RECORD_FILE = "imported.json"  # an imported network: its source, data set, accuracy
 METRICS_FILE = "metrics.jsonl"
 STEPS_FILE = "steps.jsonl"
 TRAINING_CURVE_FILE = "training_curve.png"
@@ -94,6 +95,10 @@ class ModelDir:
     @property
     def train_config_file(self) -> Path:
         return self.path / TRAIN_CONFIG_FILE
+
+    @property
+    def import_record_file(self) -> Path:
+        return self.path / IMPORT_RECORD_FILE
 
     @property
     def metrics_file(self) -> Path:

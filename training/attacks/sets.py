@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sized
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save as safetensors_bytes
-from torch.utils.data import Subset
 from tqdm.auto import tqdm
 
 from detector import networks
@@ -55,8 +54,8 @@ from training.attacks.registry import (
     make_attack_params,
     predict_labels,
 )
-from training.data.datasets import load_dataset, subset, to_arrays
-from training.rundir import ModelDir, RunDir
+from training.data.network_images import attack_images
+from training.rundir import RunDir
 
 FORMAT_VERSION = 1
 ARRAYS_FILE = "adversarial.npz"
@@ -774,32 +773,6 @@ def get_or_generate(
 # --------------------------------------------------------------------------------------------
 # Run directories (layout: training/rundir.py): sets of network <name> in RUN/attacks/<name>/
 # --------------------------------------------------------------------------------------------
-def attack_images(
-    model_dir: str | Path,
-    *,
-    split: str = "test",
-    n: int | None = 1000,
-    seed: int = 0,
-    root: str | Path | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(images, labels, source indices): the first ``n`` of a seeded order of ``split`` of the
-    data set the network was trained on (its ``train_config.json``)."""
-
-    config_path = ModelDir(model_dir).train_config_file
-    try:
-        dataset_name = read_json(config_path)["dataset"]
-    except (ArtefactError, KeyError, TypeError) as error:
-        raise ArtefactError(f"cannot read the data set name from {config_path}: {error}") from error
-    dataset = load_dataset(dataset_name, split, root=root)
-    chosen = subset(dataset, n, seed)
-    assert isinstance(dataset, Sized)  # torchvision's data sets and Subset have a length
-    indices = np.asarray(
-        chosen.indices if isinstance(chosen, Subset) else range(len(dataset)), dtype=np.int64
-    )
-    x, y = to_arrays(dataset, n, seed=seed)
-    return x, y, indices
-
-
 def attack_run(
     run_dir: str | Path,
     attack: str,

@@ -28,6 +28,7 @@ from service.server import serve
 from service.settings import Settings, load_settings
 from training.attacks import sets as adversarial
 from training.cli.background import BackgroundPipeline, BundleSwitcher, wait_ready
+from training.data.network_images import attack_images
 from training.pipeline.run import run_pipeline
 from training.pipeline.steps import default_run_dir, preset_config
 from training.presets.pipelines import PipelineConfig
@@ -50,7 +51,7 @@ def write_demo_samples(
     model_dir = RunDir(run).model(config.deploy_model)
     key = (config.deploy_attacks or [a.key for a in config.attacks])[0]
     spec = next(a for a in config.attacks if a.key == key)
-    x, y, indices = adversarial.attack_images(model_dir, n=spec.n, root=root)
+    x, y, indices = attack_images(model_dir, n=spec.n, root=root)
     attacked = adversarial.get_or_generate(
         RunDir(run).attacks(config.deploy_model),
         model_dir,

@@ -400,7 +400,7 @@ def _run_adaptive(args: argparse.Namespace) -> int:
     run = PipelineRun.open(args.run, root=args.root, progress=not args.no_progress)
     spec = TargetSpec(args.target, args.pool)
     rows = []
-    for name in [args.model] if args.model else list(run.config.models):
+    for name in [args.model] if args.model else run.config.network_names:
         rows += adaptive_experiment(
             run,
             name,
@@ -441,6 +441,13 @@ def _add_pipeline(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--preset", help="smoke, quick, paper-... (see --list-presets)")
     p.add_argument("--out", type=Path, help="run directory (default runs/<preset>)")
+    p.add_argument(
+        "--network",
+        type=Path,
+        default=None,
+        help="protect this network (a `lapguard import` directory) instead of training the "
+        "preset's: its steps run on it alone, on the preset's data set through its input spec",
+    )
     p.add_argument("--root", type=Path, default=None, help="data root")
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N")
     p.add_argument(
@@ -466,6 +473,8 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     if not args.preset:
         raise UsageError("pipeline needs --preset NAME (see --list-presets)")
     config = preset_config(args.preset, device=args.device)
+    if args.network is not None:
+        config = config.on_network(args.network)
     if args.check:
         # lazy: `lapguard serve` and `score` run without the training stack
         from training.pipeline.preflight import check_pipeline

@@ -32,6 +32,7 @@ from torch import nn
 from detector import artefacts, dynamics, networks
 from detector.errors import ArtefactError, ConfigError
 from training.attacks import sets as adversarial
+from training.data.network_images import attack_images
 from training.diagnostics.claims import measure_claims
 from training.evaluation.context import perturbed
 from training.plots import plot_block_curves
@@ -253,13 +254,11 @@ def diagnose_network(
     """Every measure of network ``name`` on its clean test images and, with ``options.attacks``,
     on the perturbed rows of its cached adversarial sets (their first ``n``)."""
     model = networks.load(run.model(name), device=device)
-    probe_x, probe_y, _ = adversarial.attack_images(
+    probe_x, probe_y, _ = attack_images(
         run.model(name), split="train", n=options.probe_n, seed=1, root=root
     )
     probes = fit_probes(model, probe_x, probe_y, device=device, batch_size=options.batch_size)
-    x, y, _ = adversarial.attack_images(
-        run.model(name), split="test", n=options.n, seed=0, root=root
-    )
+    x, y, _ = attack_images(run.model(name), split="test", n=options.n, seed=0, root=root)
     inputs = {CLEAN: (x, y)}
     if options.attacks:
         for label, folder in cached_sets(run, name).items():

@@ -21,6 +21,7 @@ from detector.errors import ArtefactError, ConfigError
 from detector.features import FeatureSpec, extract_features
 from training.attacks import sets as adversarial
 from training.data.datasets import load_dataset, load_ood, to_arrays
+from training.data.network_images import attack_images, images_after
 from training.data.synthetic_outliers import SYNTHETIC_OOD, check_held_back, synthetic_outliers
 from training.evaluation.feature_selection import (
     restrict,
@@ -67,6 +68,19 @@ def perturbed(adv: adversarial.AdversarialSet) -> np.ndarray:
     judged on it, so detection sets leave it out (the seed pairs every image with "an
     adversarial sample generated" from it)."""
     return np.asarray(adv.linf) > 0
+
+
+def _moved(adv: adversarial.AdversarialSet, name: str, key: str) -> np.ndarray:
+    """:func:`perturbed` rows of attack ``key`` on network ``name``; a ConfigError when the attack
+    moved none (nothing to detect: a network whose input gradient is zero, such as one with an
+    untrained all-zero head)."""
+    moved = perturbed(adv)
+    if not moved.any():
+        raise ConfigError(
+            f"attack {key} left all {len(moved)} images of network {name!r} unchanged: its "
+            "input gradient is zero on them (an untrained network?), so there is nothing to detect"
+        )
+    return moved
 
 
 @dataclass
@@ -144,7 +158,7 @@ class PipelineRun:
         """(images, labels, source indices) of the test images every attack of ``name`` uses."""
         if name not in self._images:
             n_max = max(a.n_for(name) for a in self.config.attacks)
-            self._images[name] = adversarial.attack_images(
+            self._images[name] = attack_images(
                 self.dir.model(name), split="test", n=n_max, seed=0, root=self.root
             )
         return self._images[name]
@@ -245,7 +259,7 @@ class PipelineRun:
         for key, adv in self.attack_sets(name).items():
             f, predicted, _ = self._features(name, key, adv.manifest["key"], adv.x_adv)
             samples = Samples(key, adv.x_adv, f, predicted, adv.indices, adv.success)
-            attacks[key] = samples.take(perturbed(adv))
+            attacks[key] = samples.take(_moved(adv, name, key))
         ood: dict[str, Samples] = {}
         spec = self.model(name).config.input_spec  # type: ignore[union-attr]
         for ood_name in self.config.ood_test:
@@ -328,7 +342,13 @@ def validation_set(run: PipelineRun, name: str) -> Dataset:
 
 
 def validation_images(run: PipelineRun, name: str) -> np.ndarray:
-    """:func:`validation_set`'s images in its order; an empty array when it held none back."""
+    """:func:`validation_set`'s images in its order; an empty array when it held none back. An
+    imported network's training images are unknown: its held-back images are the ``ood_n`` test
+    images that follow, in the same seeded order, those its attacks and clean samples use."""
+    if name in run.config.imported:
+        used = max(a.n_for(name) for a in run.config.attacks)
+        model_dir = run.dir.model(name)
+        return images_after(model_dir, skip=used, n=run.config.ood_n, root=run.root)
     held_back = validation_set(run, name)
     if not len(held_back):  # type: ignore[arg-type]
         return np.empty(0, np.float32)

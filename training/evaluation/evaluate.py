@@ -11,6 +11,7 @@ from detector.base import Detector
 from detector.mahalanobis import mahalanobis_features
 from detector.registry import detector_info, get_detector
 from training.data.datasets import load_dataset, to_arrays
+from training.data.network_images import in_input_spec
 from training.evaluation.context import NetworkSamples, PipelineRun, add_precomputed, noisy_copies
 from training.evaluation.learning_curves import run_learning_curves
 from training.evaluation.protocols import on_all_cores, run_protocols, save_first_scores
@@ -25,7 +26,7 @@ def evaluate(run: PipelineRun) -> dict[str, Any]:
     ood_rows: list[dict[str, Any]] = []
     timing: dict[str, Any] = {}
     feature_sets: dict[str, dict[str, str]] = {}
-    for name in run.config.models:
+    for name in run.config.network_names:
         network_reader = None
         for group in _feature_groups(run, name):
             data = run.samples(name, group[0])
@@ -94,7 +95,9 @@ def _protocol_detectors(
                 run.config.mahalanobis_clean_n,
                 seed=1,
             )
-            detector.prepare(run.model(name), clean_x, clean_y)
+            model = run.model(name)
+            spec = model.config.input_spec  # type: ignore[union-attr]
+            detector.prepare(model, in_input_spec(clean_x, spec), clean_y)
         sets = [data.clean, *data.attacks.values(), *data.ood.values(), *data.ood_train.values()]
         add_precomputed(run, name, detector, sets)
     return detectors

@@ -19,8 +19,8 @@ def write_results(run: PipelineRun) -> dict[str, Any]:
     results = {
         "preset": run.config.name,
         "dataset": run.config.dataset,
-        "models": {name: _model_row(run, name) for name in run.config.models},
-        "attacks": {name: _attack_rows(run, name) for name in run.config.models},
+        "models": {name: _model_row(run, name) for name in run.config.network_names},
+        "attacks": {name: _attack_rows(run, name) for name in run.config.network_names},
         "detection": evaluation["detection"],
         "ood": evaluation["ood"],
         "learning_curves": evaluation.get("learning_curves", {}),
@@ -33,6 +33,9 @@ def write_results(run: PipelineRun) -> dict[str, Any]:
 
 
 def _model_row(run: PipelineRun, name: str) -> dict[str, Any]:
+    if name in run.config.imported:
+        record = artefacts.read_json(run.dir.model_dir(name).import_record_file, what="import")
+        return {k: record[k] for k in ("test_accuracy", "test_images", "source")}
     epochs = run.dir.read_metrics(name)
     return {
         "test_accuracy": epochs[-1]["test_accuracy"],

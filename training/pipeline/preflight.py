@@ -12,6 +12,8 @@ from detector import networks
 from detector.errors import ConfigError
 from training.attacks.registry import make_attack_params
 from training.data.datasets import OOD_SETS, class_names, dataset_info, load_dataset
+from training.data.network_images import in_input_spec
+from training.pipeline.imported import check_imported
 from training.pipeline.run import check_synthetic_ood
 from training.presets import get_train_preset
 from training.presets.pipelines import PipelineConfig
@@ -86,5 +88,17 @@ def check_pipeline(config: PipelineConfig, *, root: Path | None = None) -> Prefl
             f"{train_config.architecture} ({parameters / 1e6:.1f}M parameters), "
             f"{train_config.objective}, {train_config.epochs} epochs, "
             f"logits {tuple(logits.shape)} on {len(images)} test images"
+        )
+    check_imported(config)
+    for name, path in config.imported.items():
+        model = networks.load(path)
+        with torch.no_grad():
+            x = in_input_spec(images.numpy(), model.config.input_spec)  # type: ignore[union-attr]
+            logits = model(torch.from_numpy(x))
+        parameters = sum(p.numel() for p in model.parameters())
+        report.networks[name] = (
+            f"imported from {path}: {model.config.architecture} "  # type: ignore[union-attr]
+            f"({parameters / 1e6:.1f}M parameters), logits {tuple(logits.shape)} on "
+            f"{len(images)} test images through its input spec"
         )
     return report

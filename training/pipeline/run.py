@@ -17,6 +17,7 @@ from training.evaluation.context import PipelineRun, init_run
 from training.evaluation.deployable import fit_deployable, write_run_bundle
 from training.evaluation.evaluate import evaluate
 from training.evaluation.results import write_results
+from training.pipeline.imported import check_imported, import_network
 from training.pipeline.progress import PipelineProgress
 from training.presets import get_train_preset
 from training.presets.pipelines import PipelineConfig
@@ -57,13 +58,14 @@ def train_models(run: PipelineRun) -> None:
 
 
 def pipeline_steps(run: PipelineRun) -> list[tuple[str, Callable[[], Any]]]:
-    """The steps of :func:`run_pipeline` in order, by name: one per network trained, one per
-    attack set (network x attack), then the evaluation, the deployable detector, results.json,
+    """The steps of :func:`run_pipeline` in order, by name: one per network trained or imported,
+    one per attack set (network x attack), then the evaluation, the deployable detector, results.json,
     the report and the bundle."""
-    names = list(run.config.models)
+    names = run.config.network_names
     keys = [spec.key for spec in run.config.attacks]
     return [
-        *((f"train {name}", partial(train_model, run, name)) for name in names),
+        *((f"train {name}", partial(train_model, run, name)) for name in run.config.models),
+        *((f"import {name}", partial(import_network, run, name)) for name in run.config.imported),
         *(
             (f"attack {name}/{key}", partial(run.attack_set, name, key))
             for name in names
@@ -83,6 +85,7 @@ def run_pipeline(
     """All steps, each cached: re-running after an interruption resumes, a finished run is a
     no-op. ``RUN/progress.json`` says which step runs (:mod:`training.pipeline.progress`); returns the
     contents of results.json."""
+    check_imported(config)
     init_run(config, run)
     pipeline = PipelineRun(config, run, root=root, progress=progress)
     steps = pipeline_steps(pipeline)

@@ -6,6 +6,7 @@ seed 003's experiments, for GPU machines with those data sets on disk
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -15,6 +16,8 @@ from detector.features import FeatureSpec
 from training.data.synthetic_outliers import SYNTHETIC_OOD
 
 DetectorName = Literal["transport", "mahalanobis", "nss", "quantile", "novelty", "ensemble"]
+#: The run's name of the network ``lapguard pipeline --network DIR`` protects.
+IMPORTED_NAME = "network"
 ServableName = Literal["transport", "quantile", "novelty", "ensemble"]
 
 
@@ -103,6 +106,9 @@ class PipelineConfig(BaseModel):
     name: str
     dataset: str = "fashion-mnist"
     models: dict[str, str]  # network name in the run -> training preset
+    # Network name in the run -> a network directory made by `lapguard import` (no training: its
+    # images are the data set's, through the network's input spec).
+    imported: dict[str, str] = Field(default_factory=dict)
     attacks: list[AttackRun]
     detectors: list[DetectorName] = ["transport", "mahalanobis"]
     seen: list[str] | None = None  # attack keys for the seen setting (default: every attack)
@@ -183,9 +189,13 @@ class PipelineConfig(BaseModel):
                     f"OOD training set {name!r} is neither an attack key, an OOD set nor "
                     f"{SYNTHETIC_OOD!r}"
                 )
-        if self.deploy_model not in self.models:
+        both = set(self.models) & set(self.imported)
+        if both:
+            raise ValueError(f"networks {sorted(both)} are both trained and imported")
+        if self.deploy_model not in self.network_names:
             raise ValueError(
-                f"deploy_model {self.deploy_model!r} is not one of the networks {list(self.models)}"
+                f"deploy_model {self.deploy_model!r} is not one of the networks "
+                f"{self.network_names}"
             )
         for name in self.own_feature_selection:
             if name not in self.detectors:
@@ -195,20 +205,45 @@ class PipelineConfig(BaseModel):
                     f"own_feature_selection: the deployed detector {name!r} reads the selection "
                     "detector's feature set, which the bundle ships"
                 )
-        if any(c.second for c in self.feature_candidates) and len(self.models) < 2:
+        if any(c.second for c in self.feature_candidates) and len(self.network_names) < 2:
             raise ValueError(
-                "a feature candidate with second=True needs a second network in models; "
-                f"this config has only {list(self.models)}"
+                "a feature candidate with second=True needs a second network; "
+                f"this config has only {self.network_names}"
             )
         return self
+
+    @property
+    def network_names(self) -> list[str]:
+        """Every network of the run: the trained ones, then the imported ones."""
+        return [*self.models, *self.imported]
 
     def second_network(self, name: str) -> str:
         """The network whose opinion network ``name``'s second-opinion features hold: the
         config's first other network."""
-        others = [m for m in self.models if m != name]
+        others = [m for m in self.network_names if m != name]
         if not others:
-            raise ValueError(f"network {name!r} has no second network in {list(self.models)}")
+            raise ValueError(f"network {name!r} has no second network in {self.network_names}")
         return others[0]
+
+    def on_network(self, network: str | Path, name: str = IMPORTED_NAME) -> PipelineConfig:
+        """This preset run on one imported network (a `lapguard import` directory) instead of
+        the networks it trains: every attack and detector as configured, on that network alone,
+        so the candidate feature sets without a second network's opinion (each once)."""
+        candidates: list[FeatureOptions] = []
+        for options in self.feature_candidates:
+            alone = options.model_copy(update={"second": False})
+            if alone not in candidates:
+                candidates.append(alone)
+        fields = self.model_dump()
+        for attack in fields["attacks"]:
+            attack["n_by_model"] = {}
+        fields.update(
+            models={},
+            imported={name: str(Path(network).resolve())},
+            deploy_model=name,
+            feature_candidates=candidates,
+        )
+        return PipelineConfig.model_validate(fields)
 
     def feature_chooser(self, detector: str | None = None) -> str:
         """The detector whose training-side selection picks ``detector``'s feature set: itself

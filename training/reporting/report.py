@@ -134,7 +134,7 @@ def models_section(run_dir: Path, results: Mapping[str, Any], models: Sequence[s
             [
                 f"{MODEL_LABELS.get(model, model.upper())} ({model})",
                 percent(accuracy) if accuracy is not None else NOT_RUN,
-                str(info.get("epochs", "")),
+                "imported" if "source" in info else str(info.get("epochs", "")),
                 f"{info['train_seconds']:.0f}" if info.get("train_seconds") is not None else "",
                 f"{transport:.4g}" if transport is not None else "",
             ]
