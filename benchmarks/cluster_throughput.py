@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from pathlib import Path
 
 from benchmarks import small
 from benchmarks.cluster import Cluster
 from benchmarks.httpx_load import run_httpx
+from benchmarks.server_load import add_server_load_flags, ensure_load_generator
 from benchmarks.service_throughput import multipart_png, sample_pngs
-from benchmarks.wrk_load import ensure_wrk, run_wrk
+from benchmarks.wrk_load import run_wrk
 from detector.guard import Guard
 
 SETUPS = ("one replica", "two replicas")
@@ -32,22 +32,12 @@ SETUPS = ("one replica", "two replicas")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--bundle", type=Path, required=True)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--clients", type=int, default=32, help="concurrent single-image clients")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of both setups")
     p.add_argument(
         "--seconds", type=float, default=10.0, help="measured seconds per setup and round"
     )
-    p.add_argument("--warmup", type=float, default=3.0, help="seconds of load before each measure")
-    p.add_argument("--max-batch-size", type=int, default=64, help="each replica's micro-batch size")
     p.add_argument("--torch-threads", type=int, default=None, help="each replica's forward threads")
-    p.add_argument(
-        "--load-generator",
-        choices=["wrk", "httpx"],
-        default="wrk",
-        help="wrk (installed when missing) or httpx in this process (takes a core from the servers)",
-    )
+    add_server_load_flags(p, device="cpu", warmup=3.0, servers="the servers")
     p.add_argument(
         "--small",
         action="store_true",
@@ -75,10 +65,7 @@ def measure(args: argparse.Namespace, url: str, body: bytes, content_type: str) 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.load_generator == "wrk":
-        ensure_wrk()
-    elif args.small:
-        print("wrk is not installed: the small mode loads the servers with httpx instead")
+    ensure_load_generator(args, servers="the servers")
     body, content_type = multipart_png(
         sample_pngs(Guard.from_bundle(args.bundle, device="cpu"), 1)[0]
     )

@@ -15,7 +15,6 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
 import httpx
 
@@ -115,12 +114,7 @@ class PeerServer:
         self.stop()
         raise SystemExit(f"{self.name} was not ready within {timeout:.0f} s")
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def stop(self) -> None:

@@ -43,6 +43,7 @@ from benchmarks import small
 from benchmarks.httpx_load import run_httpx
 from benchmarks.peer_servers import SERVERS, PeerServer, ensure_peers_venv
 from benchmarks.peers.v2_images import v2_body
+from benchmarks.server_load import add_load_generator_flag
 from benchmarks.service_throughput import sample_pngs
 from benchmarks.wrk_load import ensure_wrk, run_wrk
 from detector.guard import Guard
@@ -73,8 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--peers-venv", type=Path, default=Path(".venv-peers"))
     p.add_argument("--out", type=Path, help="write results.json and table.md here")
-    p.add_argument("--load-generator", choices=["wrk", "httpx"], default="wrk",
-                   help="wrk (installed when missing) or httpx in this process")  # fmt: skip
+    add_load_generator_flag(p, servers="the servers")
     p.add_argument(
         "--small",
         action="store_true",

@@ -29,7 +29,6 @@ import io
 import os
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -39,36 +38,27 @@ from PIL import Image
 from benchmarks import small
 from benchmarks.httpx_load import run_httpx
 from benchmarks.local_server import Server, start_server, stop_server
-from benchmarks.wrk_load import ensure_wrk, run_wrk
+from benchmarks.server_load import add_server_load_flags, ensure_load_generator
+from benchmarks.wrk_load import run_wrk
 from detector.guard import Guard
 from detector.images import decode_image
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--bundle", type=Path, required=True)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--clients", type=int, default=32, help="concurrent single-image clients")
     p.add_argument("--requests", type=int, default=3000, help="measured requests (after warm-up)")
     p.add_argument(
         "--time-limit", type=float, default=60.0, help="seconds for the measured load phase"
     )
     p.add_argument("--batch-sizes", default="1,8,32,64,128,256", help="in-process batch sizes")
-    p.add_argument("--max-batch-size", type=int, default=64, help="server micro-batch size")
     p.add_argument("--max-wait-ms", type=float, default=0.0, help="server micro-batch wait")
     p.add_argument(
         "--seconds-per-size", type=float, default=2.0, help="in-process timing budget per size"
     )
     p.add_argument(
-        "--load-generator",
-        choices=["wrk", "httpx"],
-        default="wrk",
-        help="wrk (installed when missing) or httpx in this process (takes a core from the server)",
-    )
-    p.add_argument(
         "--single-client-seconds", type=float, default=10.0, help="seconds of the one-client phase"
     )
-    p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
+    add_server_load_flags(p, device="auto", warmup=5.0, servers="the server")
     p.add_argument(
         "--small",
         action="store_true",
@@ -195,10 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     del guard
 
     generator = args.load_generator
-    if generator == "wrk":
-        ensure_wrk()
-    elif args.small:
-        print("wrk is not installed: the small mode loads the server with httpx instead")
+    ensure_load_generator(args, servers="the server")
     body, content_type = multipart_png(blobs[0])
     process, url = start_local_server(args)
     try:

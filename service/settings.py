@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +19,9 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 QUERY_LEVELS = 4
 QUERY_NEIGHBOURS = 3
 
+#: A TCP port to listen on (0: any free port).
+Port = Annotated[int, Field(ge=0, le=65535)]
+
 
 class Settings(BaseSettings):
     """Everything the server can be told. Environment: ``LAPGUARD_<FIELD>`` (e.g. ``LAPGUARD_PORT``)."""
@@ -31,11 +34,9 @@ class Settings(BaseSettings):
     host: str = Field(
         default="127.0.0.1", description="interface to bind; 0.0.0.0 only inside a container"
     )
-    port: int = Field(default=8000, ge=0, le=65535)
-    grpc_port: int | None = Field(
+    port: Port = 8000
+    grpc_port: Port | None = Field(
         default=None,
-        ge=0,
-        le=65535,
         description=(
             "port of the gRPC Open Inference Protocol endpoint, beside REST on the same host "
             "(unset: off; 0: any free port; needs the grpc extra)"

