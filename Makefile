@@ -72,8 +72,8 @@ test-fast: setup data
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
-	$(BIN)/ruff check detector training service tests benchmarks
-	$(BIN)/ruff format --check detector training service tests benchmarks
+	$(BIN)/ruff check detector training service tests benchmarks references
+	$(BIN)/ruff format --check detector training service tests benchmarks references
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -31,6 +31,7 @@ from safetensors.torch import load_file as load_torch
 from detector.artefacts import sha256_file, write_text
 from detector.base import Detector
 from detector.calibration import Calibration
+from detector.cost import GuardCost
 from detector.errors import ArtefactError, ConfigError, validation_problems
 from detector.explain import EXPLAIN_FILE, CleanBand, Gallery, GalleryItem
 from detector.features import FeatureSpec
@@ -129,6 +130,8 @@ class BundleManifest(BaseModel):
     metrics: dict[str, float] = Field(default_factory=dict)
     explain: ExplainSpec | None = None
     operating_points: list[OperatingPoint] = Field(default_factory=list)  # by target FPR
+    # Guard time / the network's plain forward time, measured where the bundle was written.
+    cost: GuardCost | None = None
     files: dict[str, str]
 
     @field_validator("format_version")
@@ -271,6 +274,7 @@ def write_bundle(
     gallery: Gallery | None = None,
     second_network_dir: str | Path | None = None,
     operating_points: Sequence[Calibration] = (),
+    cost: GuardCost | None = None,
 ) -> Path:
     """Write a bundle directory from a saved network (``network_dir``) and a fitted detector.
 
@@ -279,8 +283,8 @@ def write_bundle(
     ``resize="strict"``); ``band`` and ``gallery`` (optional) go to ``explain.safetensors`` for
     ``/v1/explain`` and the page; ``second_network_dir`` is the saved second network of a spec
     with ``second=True`` (its weights go to ``second.safetensors``); ``operating_points`` are
-    calibrations of the same scores at other target FPRs (:class:`OperatingPoint`). Returns
-    ``out_dir``.
+    calibrations of the same scores at other target FPRs (:class:`OperatingPoint`); ``cost``
+    the Guard's measured cost (:func:`detector.cost.measure_cost`). Returns ``out_dir``.
     """
     spec = features or FeatureSpec()
     network_dir = Path(network_dir)
@@ -330,6 +334,7 @@ def write_bundle(
         metrics={k: float(v) for k, v in (metrics or {}).items()},
         explain=explain,
         operating_points=_manifest_points(operating_points),
+        cost=cost,
         files={f: sha256_file(out / f) for f in files},
     )
     write_text(out / MANIFEST_FILE, manifest.model_dump_json(indent=2))

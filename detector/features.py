@@ -510,13 +510,16 @@ def spatial_statistics(x: torch.Tensor) -> torch.Tensor:
     quantiles of e_p, each over mean_p e_p; the l1 ratio mean|x|/sqrt(msq); and the 10/25/50%
     quantiles of the distance^2 of each position's channel vector to the per-channel spatial median
     over mean_p e_p. All but msq are scale-free; flat regions (where small perturbations and
-    out-of-distribution textures show first) drive the low quantiles."""
+    out-of-distribution textures show first) drive the low quantiles. A Transformer's token
+    sequence [N, T, D] reads as T positions of D channels (adjacent: consecutive tokens)."""
     z = x.float()
     if z.ndim == 2:
         z = z[:, :, None, None]
+    elif z.ndim == 3:
+        z = z.transpose(1, 2)[..., None]
     if z.ndim != 4:
         raise ConfigError(
-            f"start statistics need an [N, C, H, W] state, got shape {tuple(x.shape)}"
+            f"start statistics need an [N, C, H, W] or [N, T, D] state, got shape {tuple(x.shape)}"
         )
     n, channels = z.shape[:2]
     msq = z.square().flatten(1).mean(1)

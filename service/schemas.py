@@ -147,6 +147,14 @@ class ModelSummary(BaseModel):
         ),
     )
     metrics: dict[str, Any] | None = None
+    cost: dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            "what the Guard costs beside the network: ratio (Guard time / the network's plain "
+            "forward time), batch_size, device and rounds of the measurement made when the "
+            "bundle was written, and the budget its feature set was chosen under"
+        ),
+    )
     device: str
     max_batch_size: int
     ready: bool

@@ -15,8 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("detector", "training", "service")
 MAX_FUNCTION_LINES = 80
-# What users read: the packages (code, presets, the page), the benchmarks, the documents.
-READ_BY_USERS = (*PACKAGES, "benchmarks", "docs", "docker", "README.md", "Makefile")
+# What users read: the packages (code, presets, the page), the benchmarks and reference
+# scripts, the documents.
+READ_BY_USERS = (*PACKAGES, "benchmarks", "references", "docs", "docker", "README.md", "Makefile")
 PROCESS_WORDS = re.compile(
     r"\bsessions? [0-9]|\bissues? [0-9]|\bissue's\b|\(issue\b|(?-i:RESULTS\.md)", re.IGNORECASE
 )
@@ -29,7 +30,7 @@ def _lint_imports() -> Path:
 
 
 def _python_files() -> list[Path]:
-    return sorted(p for folder in (*PACKAGES, "benchmarks") for p in (ROOT / folder).rglob("*.py"))
+    return sorted(p for folder in (*PACKAGES, "benchmarks", "references") for p in (ROOT / folder).rglob("*.py"))
 
 
 def _user_text_files() -> list[Path]:

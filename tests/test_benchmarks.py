@@ -21,6 +21,7 @@ from benchmarks import (
     batch_scoring,
     cluster_throughput,
     feature_overhead,
+    guard_cost,
     lap_overhead,
     minimal_attacks,
     ood_probe,
@@ -87,6 +88,15 @@ def test_feature_overhead(smoke_run: Path, capsys: pytest.CaptureFixture[str]) -
     assert positive(*figures(r"\[4\] .*: share wall ([\d.]+)%, CPU ([\d.]+)%", out))
     assert positive(*figures(r"\[5\] bundle .*: share wall ([\d.]+)%.*Guard / plain forward "
                              r"wall ([\d.]+), CPU ([\d.]+)", out))  # fmt: skip
+
+
+def test_guard_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    guard_cost.main(["--small"])
+    out = capsys.readouterr().out
+    for name in ("resnet50", "vit"):
+        pattern = rf"^{name}: .* Guard / plain forward ([\d.]+) .*bundle recorded ([\d.]+), ([\d.]+)% apart"
+        ratio, recorded, apart = figures(pattern, out)
+        assert positive(ratio, recorded) and math.isfinite(apart)
 
 
 @pytest.mark.slow
@@ -206,7 +216,7 @@ def test_soak(smoke_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 MAINTAINED = (
     "attack_costs", "attack_probe", "batch_scoring", "cluster_throughput", "feature_overhead",
-    "lap_overhead",
+    "guard_cost", "lap_overhead",
     "minimal_attacks", "ood_probe", "query_attacks", "query_memory", "service_peers",
     "service_throughput", "soak",
 )  # fmt: skip

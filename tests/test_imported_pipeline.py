@@ -77,8 +77,12 @@ def test_a_live_server_answers_with_the_imported_bundle(resnet_run: Path) -> Non
             headers={"X-API-Key": API_KEY},
             timeout=60,
         )
+        model = httpx.get(f"{live.url}/v1/model", headers={"X-API-Key": API_KEY}).json()
     assert answer.status_code == 200, answer.text
     assert answer.json()["model"]["name"] == "lapguard-smoke-network"
+    cost = read_json(resnet_run / "bundle" / "manifest.json")["cost"]
+    assert model["cost"] == cost and cost["budget"] == 1.1 and cost["batch_size"] == 32
+    assert cost["ratio"] > 0 and cost["device"] == "cpu"
     [served] = answer.json()["results"]
     reference = expected(Guard.from_bundle(resnet_run / "bundle", device="cpu"), [blob])
     assert served["label"] == int(reference.labels[0])

@@ -66,6 +66,7 @@ async def model_summary(runtime: RuntimeDep) -> ModelSummary:
             point.model_dump(mode="json") for point in getattr(manifest, "operating_points", [])
         ],
         metrics=part("metrics"),
+        cost=part("cost"),
         device=str(guard.device),
         max_batch_size=runtime.settings.max_batch_size,
         ready=runtime.ready,

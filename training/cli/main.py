@@ -448,6 +448,14 @@ def _add_pipeline(sub: argparse._SubParsersAction) -> None:
         help="protect this network (a `lapguard import` directory) instead of training the "
         "preset's: its steps run on it alone, on the preset's data set through its input spec",
     )
+    p.add_argument(
+        "--cost-budget",
+        type=float,
+        default=None,
+        metavar="RATIO",
+        help="Guard time / the network's plain forward time the chosen features may cost "
+        "(default with --network: 1.10; a preset's own otherwise); raise it knowingly",
+    )
     p.add_argument("--root", type=Path, default=None, help="data root")
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N")
     p.add_argument(
@@ -472,9 +480,9 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         return _print_lines(pipeline_preset_lines())
     if not args.preset:
         raise UsageError("pipeline needs --preset NAME (see --list-presets)")
-    config = preset_config(args.preset, device=args.device)
-    if args.network is not None:
-        config = config.on_network(args.network)
+    config = preset_config(
+        args.preset, device=args.device, network=args.network, cost_budget=args.cost_budget
+    )
     if args.check:
         # lazy: `lapguard serve` and `score` run without the training stack
         from training.pipeline.preflight import check_pipeline

@@ -117,7 +117,7 @@ class PipelineRun:
         self._full: dict[str, NetworkSamples] = {}
         self._samples: dict[tuple[str, str], NetworkSamples] = {}
         self._specs: dict[tuple[str, str], FeatureSpec] = {}
-        self.candidates = [options.spec() for options in config.feature_candidates]
+        self.candidates = config.affordable_candidates()
         self.union = union_spec(self.candidates)
 
     @classmethod

@@ -23,6 +23,7 @@ from detector import artefacts
 from detector.base import Detector
 from detector.bundle import write_bundle
 from detector.calibration import Calibration, CalibrationWarning
+from detector.cost import measure_cost, noise_batch
 from detector.ensemble import EnsembleDetector
 from detector.errors import ArtefactError, ConfigError
 from detector.features import FeatureSpec
@@ -485,15 +486,27 @@ def offered_points(info: dict[str, Any]) -> list[Calibration]:
 
 def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
     """The deployable bundle of a finished run (default RUN/bundle), with the clean band and the
-    gallery that ``/v1/explain`` and the page show (:mod:`training.evaluation.explain_assets`)."""
+    gallery that ``/v1/explain`` and the page show (:mod:`training.evaluation.explain_assets`),
+    and the Guard's cost measured here (:func:`detector.cost.measure_cost`, on seeded uniform
+    images: a forward pass costs the same whatever the pixels)."""
     config = read_pipeline_config(run)
     detector, calibration, info = load_deployable(run)
     band, gallery = explain_assets(run, info)
     features = FeatureSpec(**info.get("features", {}))
     second = config.second_network(info["network"]) if features.second else None
+    network_dir = RunDir(run).model(info["network"])
+    second_dir = RunDir(run).model(second) if second else None
+    guard = Guard.from_run(
+        network_dir,
+        detector,
+        calibration,
+        features=features,
+        device=config.device,
+        second=second_dir,
+    )
     return write_bundle(
         out or RunDir(run).bundle,
-        network_dir=RunDir(run).model(info["network"]),
+        network_dir=network_dir,
         detector=detector,
         calibration=calibration,
         name=f"lapguard-{config.name}-{info['network']}",
@@ -502,6 +515,7 @@ def write_run_bundle(run: str | Path, out: Path | None = None) -> Path:
         features=features,
         band=band,
         gallery=gallery,
-        second_network_dir=RunDir(run).model(second) if second else None,
+        second_network_dir=second_dir,
         operating_points=offered_points(info),
+        cost=measure_cost(guard, noise_batch(guard.input_spec), budget=config.cost_budget),
     )

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from detector.artefacts import read_json
+from detector.cost import DEFAULT_BUDGET
 from training.evaluation.context import PipelineRun
 from training.evaluation.deployable import fit_deployable
 from training.evaluation.evaluate import evaluate
 from training.evaluation.results import write_results
 from training.pipeline.run import run_pipeline
-from training.presets.pipelines import PipelineConfig, get_pipeline_preset
+from training.presets.pipelines import PipelineConfig, get_pipeline_preset, validated
 from training.reporting.report import write_report
 from training.rundir import RunDir
 
@@ -29,9 +30,21 @@ class PipelineOutcome:
     seconds: float
 
 
-def preset_config(preset: str, *, device: str | None = None) -> PipelineConfig:
-    """The named pipeline preset, on ``device`` when one is given."""
+def preset_config(
+    preset: str,
+    *,
+    device: str | None = None,
+    network: Path | None = None,
+    cost_budget: float | None = None,
+) -> PipelineConfig:
+    """The named pipeline preset, on ``device`` when one is given; on the imported ``network``
+    instead of its own when one is given (:meth:`PipelineConfig.on_network`); with its features
+    chosen under ``cost_budget`` when one is given."""
     config = get_pipeline_preset(preset)
+    if network is not None:
+        config = config.on_network(network, budget=cost_budget or DEFAULT_BUDGET)
+    elif cost_budget is not None:
+        config = validated(config, cost_budget=cost_budget)
     return config.model_copy(update={"device": device}) if device else config
 
 

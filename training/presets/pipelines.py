@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from detector.errors import ConfigError
+from detector.cost import DEFAULT_BUDGET, declared_ratio, within_budget
+from detector.errors import ConfigError, validation_problems
 from detector.features import FeatureSpec
 from training.data.synthetic_outliers import SYNTHETIC_OOD
 
@@ -70,10 +71,25 @@ FEATURE_CANDIDATES = [
     FeatureOptions(image=True, nss=True, start=True, head=True, squeeze=True, second=True),
 ]
 
+
 # The quick preset's: the residues alone (the baseline) and every candidate with the image group.
 # The five others without it scored 5-10 points below the image group's on the training side of
 # both networks, for the ensemble and for TR, in every quick run measured; each costs ~6 s per
 # network and selecting detector. The full preset offers all of them.
+def validated(config: PipelineConfig, **changes: Any) -> PipelineConfig:
+    """``config`` with ``changes``, checked again (a ConfigError says what does not hold)."""
+    try:
+        return PipelineConfig.model_validate({**config.model_dump(), **changes})
+    except ValidationError as error:
+        raise ConfigError(
+            f"pipeline {config.name}: {validation_problems(error.errors())}"
+        ) from error
+
+
+# The LAP presets compare every candidate, the squeezed and second-opinion ones included, so
+# they raise the cost budget knowingly to what those declare (the network's pass, five squeezed
+# passes, the second network's pass); a user's network runs under the default budget.
+SQUEEZE_AND_SECOND = 7.0
 QUICK_FEATURE_CANDIDATES = [c for c in FEATURE_CANDIDATES if c.image or c == FeatureOptions()]
 
 
@@ -151,6 +167,10 @@ class PipelineConfig(BaseModel):
     feature_candidates: list[FeatureOptions] = Field(
         default_factory=lambda: [FeatureOptions()], min_length=1
     )
+    # Guard time / the network's plain forward time the chosen features may cost, by the extra
+    # forward passes their groups declare (detector.cost): candidates above it are not offered.
+    # The default keeps the Guard to the one forward pass that serves the prediction.
+    cost_budget: float = Field(default=DEFAULT_BUDGET, ge=1, allow_inf_nan=False)
     selection_detector: ServableName = "transport"  # the detector the selection fits
     # Detectors that choose their OWN feature set on the training side (the same selection,
     # fitting them instead); every other feature-reading detector, the deployed one included,
@@ -205,12 +225,22 @@ class PipelineConfig(BaseModel):
                     f"own_feature_selection: the deployed detector {name!r} reads the selection "
                     "detector's feature set, which the bundle ships"
                 )
+        if not self.affordable_candidates():
+            cheapest = min(declared_ratio(c.spec()) for c in self.feature_candidates)
+            raise ValueError(
+                f"no feature candidate fits cost_budget {self.cost_budget}: the cheapest "
+                f"declares {cheapest:g} forward passes"
+            )
         if any(c.second for c in self.feature_candidates) and len(self.network_names) < 2:
             raise ValueError(
                 "a feature candidate with second=True needs a second network; "
                 f"this config has only {self.network_names}"
             )
         return self
+
+    def affordable_candidates(self) -> list[FeatureSpec]:
+        """The candidate feature sets within :attr:`cost_budget`, in the config's order."""
+        return within_budget([c.spec() for c in self.feature_candidates], self.cost_budget)
 
     @property
     def network_names(self) -> list[str]:
@@ -225,25 +255,28 @@ class PipelineConfig(BaseModel):
             raise ValueError(f"network {name!r} has no second network in {self.network_names}")
         return others[0]
 
-    def on_network(self, network: str | Path, name: str = IMPORTED_NAME) -> PipelineConfig:
+    def on_network(
+        self, network: str | Path, *, budget: float = DEFAULT_BUDGET, name: str = IMPORTED_NAME
+    ) -> PipelineConfig:
         """This preset run on one imported network (a `lapguard import` directory) instead of
         the networks it trains: every attack and detector as configured, on that network alone,
-        so the candidate feature sets without a second network's opinion (each once)."""
+        so the candidate feature sets without a second network's opinion (each once), chosen
+        under ``budget`` (the preset's own budget was set for its own networks)."""
         candidates: list[FeatureOptions] = []
         for options in self.feature_candidates:
             alone = options.model_copy(update={"second": False})
             if alone not in candidates:
                 candidates.append(alone)
-        fields = self.model_dump()
-        for attack in fields["attacks"]:
-            attack["n_by_model"] = {}
-        fields.update(
+        attacks = [{**a.model_dump(), "n_by_model": {}} for a in self.attacks]
+        return validated(
+            self,
             models={},
             imported={name: str(Path(network).resolve())},
+            attacks=attacks,
             deploy_model=name,
-            feature_candidates=candidates,
+            feature_candidates=[c.model_dump() for c in candidates],
+            cost_budget=budget,
         )
-        return PipelineConfig.model_validate(fields)
 
     def feature_chooser(self, detector: str | None = None) -> str:
         """The detector whose training-side selection picks ``detector``'s feature set: itself
@@ -370,6 +403,7 @@ _FULL = PipelineConfig(
     mahalanobis_magnitudes=[0.0, 0.001],  # each magnitude > 0 costs a backward per layer
     learning_curve_attacks=["cw", "deepfool"],
     feature_candidates=FEATURE_CANDIDATES,
+    cost_budget=SQUEEZE_AND_SECOND,
     selection_detector="ensemble",
     own_feature_selection=["transport"],  # as quick
     deploy_detector="ensemble",
@@ -387,6 +421,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         # Both candidates hold the other network's opinion, so every smoke bundle carries two
         # networks and the end-to-end tests serve the second one.
         feature_candidates=[FeatureOptions(second=True), FeatureOptions(head=True, second=True)],
+        cost_budget=2.0,  # the second network's pass, knowingly
         selection_detector="ensemble",
         own_feature_selection=["transport"],  # as quick
         deploy_detector="ensemble",
@@ -464,6 +499,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         mahalanobis_magnitudes=[0.0, 0.001],  # each magnitude > 0 costs a backward per layer
         learning_curve_attacks=["cw", "deepfool"],
         feature_candidates=QUICK_FEATURE_CANDIDATES,
+        cost_budget=SQUEEZE_AND_SECOND,
         selection_detector="ensemble",
         # The transport forests (TR) choose their own set: what the forests alone separate best
         # is not what the ensemble, with its clean-only parts, does best (docs/decisions.md,
