@@ -49,6 +49,10 @@ START_NAMES = tuple(f"start_{name}" for name in SPATIAL_NAMES)
 NSS_NAMES = tuple(f"nss_{name}" for name in scene_statistic_names())
 PENULTIMATE_PREFIX = "pen_"
 ENERGY_QUANTILES = (0.05, 0.25, 0.5)
+#: Positions the spatial order statistics read at most (a strided grid beyond: 32x32 maps whole).
+ORDER_POSITIONS = 1024
+#: Elements per sample a residual's extra-direction cosines read at most (the leading ones).
+DIRECTION_ELEMENTS = 1 << 17
 SPREAD_QUANTILES = (0.1, 0.25, 0.5)
 
 
@@ -405,21 +409,34 @@ class TransportFeatureExtractor:
             torch.where(denominator > 0, total / safe, torch.zeros_like(total)),
         ]
         if self.extra_directions:
-            projections = r.reshape(r.shape[0], d) @ self._direction_matrix(d, r)
-            cosines = torch.where(
-                denominator[:, None] > 0, projections.float() / safe[:, None], 0.0
-            )
-            columns.extend(cosines.unbind(1))
+            columns.extend(self._direction_cosines(r.reshape(r.shape[0], d), norm))
         return columns, norm
+
+    def _direction_cosines(self, flat: torch.Tensor, norm: torch.Tensor) -> list[torch.Tensor]:
+        """cos(r, u_j) for the extra +-1 directions u_j; past :data:`DIRECTION_ELEMENTS` per
+        sample, of r's leading elements (its first channels: a direction supported there, read
+        in place, without a copy), so the projection costs a fraction of the forward pass on a
+        large network."""
+        if flat.shape[1] > DIRECTION_ELEMENTS:
+            flat = flat[:, :DIRECTION_ELEMENTS]
+            norm = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float32)
+        d = flat.shape[1]
+        denominator = norm * math.sqrt(d)
+        safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+        projections = flat @ self._direction_matrix(d, flat)
+        cosines = torch.where(denominator[:, None] > 0, projections.float() / safe[:, None], 0.0)
+        return list(cosines.unbind(1))
 
     def _accumulate_unit(self, r: torch.Tensor, norm: torch.Tensor) -> None:
         shape = (r.shape[0], *r.shape[1:])
         scale = torch.where(norm > 0, 1.0 / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-        unit = r.float() * scale.view(-1, *([1] * (r.ndim - 1)))
-        if shape in self._unit_sums:
-            self._unit_sums[shape] = self._unit_sums[shape] + unit
+        scale = scale.view(-1, *([1] * (r.ndim - 1)))
+        if shape in self._unit_sums and not torch.is_grad_enabled():
+            self._unit_sums[shape].addcmul_(r.float(), scale)  # in place: no tensor-sized copy
+        elif shape in self._unit_sums:
+            self._unit_sums[shape] = self._unit_sums[shape] + r.float() * scale
         else:
-            self._unit_sums[shape] = unit
+            self._unit_sums[shape] = r.float() * scale
         self._steps += 1
 
     def line_shape_score(self) -> torch.Tensor:
@@ -501,6 +518,17 @@ def _sorted_quantiles(values: torch.Tensor, quantiles: Sequence[float]) -> torch
     return ordered[:, [int(q * last) for q in quantiles]]
 
 
+def _order_grid(z: torch.Tensor) -> torch.Tensor:
+    """The positions of z [N, C, H, W] the order statistics (quantiles, medians) read: all of
+    them up to :data:`ORDER_POSITIONS`, else an evenly strided grid of about that many (sorting
+    a 224x224 image's 50,176 positions would cost more than the forward pass it rides on)."""
+    height, width = z.shape[2:]
+    if height * width <= ORDER_POSITIONS:
+        return z
+    stride = math.ceil(math.sqrt(height * width / ORDER_POSITIONS))
+    return z[..., ::stride, ::stride]
+
+
 def spatial_statistics(x: torch.Tensor) -> torch.Tensor:
     """Per-sample statistics of a state x [N, C, H, W] (the trajectory's start x_0), float32 [N, 12]:
 
@@ -510,7 +538,8 @@ def spatial_statistics(x: torch.Tensor) -> torch.Tensor:
     quantiles of e_p, each over mean_p e_p; the l1 ratio mean|x|/sqrt(msq); and the 10/25/50%
     quantiles of the distance^2 of each position's channel vector to the per-channel spatial median
     over mean_p e_p. All but msq are scale-free; flat regions (where small perturbations and
-    out-of-distribution textures show first) drive the low quantiles. A Transformer's token
+    out-of-distribution textures show first) drive the low quantiles, read on at most about
+    :data:`ORDER_POSITIONS` positions (:func:`_order_grid`). A Transformer's token
     sequence [N, T, D] reads as T positions of D channels (adjacent: consecutive tokens)."""
     z = x.float()
     if z.ndim == 2:
@@ -530,7 +559,8 @@ def spatial_statistics(x: torch.Tensor) -> torch.Tensor:
     rough_w = (z[..., :, 1:] - z[..., :, :-1]).square().flatten(1).mean(1) if z.shape[3] > 1 else 0
     energy = z.square().sum(1).flatten(1)  # [N, positions]
     mean_energy = (msq * channels).clamp_min(torch.finfo(torch.float32).tiny)[:, None]
-    flat = z.flatten(2)
+    grid = _order_grid(z)
+    flat = grid.flatten(2)
     spread = (flat - flat.median(dim=2, keepdim=True).values).square().sum(1)
     scalars = [
         msq,
@@ -543,7 +573,7 @@ def spatial_statistics(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(
         [
             torch.stack([torch.as_tensor(c, dtype=torch.float32).expand(n) for c in scalars], 1),
-            _sorted_quantiles(energy, ENERGY_QUANTILES) / mean_energy,
+            _sorted_quantiles(grid.square().sum(1).flatten(1), ENERGY_QUANTILES) / mean_energy,
             _sorted_quantiles(spread, SPREAD_QUANTILES) / mean_energy,
         ],
         dim=1,

@@ -40,6 +40,8 @@ from detector.block_taps import residual_taps
 from detector.errors import ArtefactError, ConfigError
 
 WEIGHTS_FILE = "model.safetensors"
+#: Set on a recorder hook that keeps the tensor it sees (not only a reduction of it).
+KEEPS_TENSOR = "keeps_tensor"
 CONFIG_FILE = "config.json"
 FORMAT_VERSION = 1
 
@@ -328,10 +330,13 @@ class ImportedNetwork(nn.Module):
 
 def _copy_when_recorded(module: nn.Module, _inputs: Any, output: Any) -> Any:
     """Forward hook of a tap: hand a copy on when another hook (a recorder, which runs first)
-    saw the output, so that in-place work after the tap leaves the recorded tensor alone."""
-    if isinstance(output, torch.Tensor) and len(module._forward_hooks) > 1:
-        return output.clone()
-    return None
+    saw the output and either keeps it or gradients flow through what it computed from it, so
+    that in-place work after the tap leaves the recorded tensor alone. A recorder that reduced
+    the output at once, without gradients (the Guard's pass), needs no copy."""
+    if not isinstance(output, torch.Tensor) or len(module._forward_hooks) < 2:
+        return None
+    keeps = any(getattr(hook, KEEPS_TENSOR, False) for hook in module._forward_hooks.values())
+    return output.clone() if keeps or torch.is_grad_enabled() else None
 
 
 def _drop_model_prefix(

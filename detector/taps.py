@@ -20,6 +20,7 @@ from torch import nn
 
 from detector.block_taps import residual_taps
 from detector.errors import ConfigError
+from detector.networks import KEEPS_TENSOR
 
 Transform = Callable[[torch.Tensor], Any]
 Self = TypeVar("Self", bound="Taps")
@@ -88,11 +89,19 @@ class Taps:
                     lambda _m, inputs, i=index: self._record(i, inputs[0]), prepend=True
                 )
             else:
-                handle = module.register_forward_hook(
-                    lambda _m, _inputs, output, i=index: self._record(i, output), prepend=True
-                )
+                handle = module.register_forward_hook(self._recorder(index), prepend=True)
             self._handles.append(handle)
         return self
+
+    def _recorder(self, index: int) -> Callable[..., None]:
+        """The forward hook recording tap ``index``'s output, marked when it keeps the tensor
+        itself (no transform), so a network that adds in place after the tap copies it first."""
+
+        def record(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+            self._record(index, output)
+
+        setattr(record, KEEPS_TENSOR, self.transform is None)
+        return record
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:

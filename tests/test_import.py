@@ -17,7 +17,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 from detector import networks
 from detector.block_taps import known_residual_taps
-from detector.features import TransportFeatureExtractor, extract_features
+from detector.features import FeatureSpec, TransportFeatureExtractor, extract_features
 from detector.networks import ImportedNetwork, InputSpec, NetworkConfig
 from detector.taps import ResidualTaps, Tap, Taps
 from tests.service_helpers import noise_bundle
@@ -147,6 +147,40 @@ def test_recorded_residuals_survive_in_place_shortcut_adds_and_carry_gradients()
         network(x)
         fx.features().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_a_reducing_recorder_without_gradients_needs_no_copy_and_reads_the_same() -> None:
+    """The Guard's pass (inference mode, every tap reduced at once) hands the tap's own tensor on,
+    with the features of the copying pass; a recorder that keeps the tensor still gets a copy."""
+    model = _resnet18()
+    network = ImportedNetwork(model, mean=[0.5] * 3, std=[0.5] * 3, taps=known_residual_taps(model))
+    x = torch.rand(3, 3, 32, 32)
+    spec = FeatureSpec(embeddings=True, line_shape=True, extra_directions=2)
+    tap = dict(network.named_modules())["model.layer1.0.bn2"]
+    seen: list[int] = []  # the tensor's address as the tap made it, then as its block gets it
+    probes = [
+        tap.register_forward_hook(lambda _m, _i, out: seen.append(out.data_ptr()), prepend=True),
+        tap.register_forward_hook(lambda _m, _i, out: seen.append(out.data_ptr())),
+    ]
+    with TransportFeatureExtractor(network, spec) as fx:
+        network(x)
+        copied = fx.features().detach()
+    assert seen[0] != seen[1]  # gradients on: a copy goes on
+    seen.clear()
+    with torch.inference_mode(), TransportFeatureExtractor(network, spec) as fx:
+        network(x)
+        torch.testing.assert_close(fx.features(), copied, rtol=1e-5, atol=1e-6)
+    assert seen[0] == seen[1]  # reduced at once, no gradients: no copy
+    seen.clear()
+    with torch.no_grad(), ResidualTaps(network) as taps:
+        network(x)
+        kept = taps.outputs[0]
+    assert seen[0] != seen[1]  # kept as it is: a copy goes on
+    for probe in probes:
+        probe.remove()
+    with torch.no_grad(), ResidualTaps(network, transform=torch.clone) as taps:
+        network(x)
+        torch.testing.assert_close(kept, taps.outputs[0])  # not changed by `out += identity`
 
 
 def test_an_imported_network_serves_through_a_bundle_and_the_guard(tmp_path: Path) -> None:
