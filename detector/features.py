@@ -432,7 +432,7 @@ class TransportFeatureExtractor:
         scale = torch.where(norm > 0, 1.0 / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
         scale = scale.view(-1, *([1] * (r.ndim - 1)))
         if shape in self._unit_sums and not torch.is_grad_enabled():
-            self._unit_sums[shape].addcmul_(r.float(), scale)  # in place: no tensor-sized copy
+            self._unit_sums[shape].add_(r.float() * scale)  # in place: one tensor-sized copy less
         elif shape in self._unit_sums:
             self._unit_sums[shape] = self._unit_sums[shape] + r.float() * scale
         else:

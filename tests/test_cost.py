@@ -19,7 +19,14 @@ from detector.cost import (
     within_budget,
 )
 from detector.errors import ConfigError
-from detector.features import FeatureSpec, spatial_statistics
+from detector.features import (
+    DIRECTION_ELEMENTS,
+    ORDER_POSITIONS,
+    FeatureSpec,
+    TransportFeatureExtractor,
+    sign_directions,
+    spatial_statistics,
+)
 from detector.guard import Guard
 from detector.networks import InputSpec
 from training.pipeline.steps import preset_config
@@ -85,3 +92,46 @@ def test_start_statistics_read_a_token_sequence_as_positions() -> None:
     )
     with pytest.raises(ConfigError, match=r"\[N, C, H, W\] or \[N, T, D\]"):
         spatial_statistics(torch.randn(2, 3, 4, 5, 6))
+
+
+def test_order_statistics_read_a_bounded_grid_of_a_large_map() -> None:
+    """Up to ORDER_POSITIONS positions every one counts; a 224x224 map's quantiles come from an
+    evenly strided grid (stride 7: 1,024 positions), its moments from every position."""
+    assert ORDER_POSITIONS >= 28 * 28  # the LAP networks' maps are read whole
+    large = torch.rand(2, 3, 224, 224)
+    grid = large[..., ::7, ::7]
+    full, strided = spatial_statistics(large), spatial_statistics(grid)
+    scale = (large.square().mean((1, 2, 3)) / grid.square().mean((1, 2, 3)))[:, None]
+    torch.testing.assert_close(full[:, 6:], strided[:, 6:] / scale)  # quantiles: the grid's
+    assert not torch.allclose(full[:, :1], strided[:, :1])  # msq: every position
+
+
+class _OneBlock(torch.nn.Module):
+    """x + r(x) with r the identity, then a linear head: its residual is its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.r = torch.nn.Identity()
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((x + self.r(x)).mean((2, 3)))
+
+    def tap_names(self) -> list[str]:
+        return ["r"]
+
+
+def test_direction_cosines_of_a_large_residual_read_its_leading_elements() -> None:
+    x = torch.randn(2, 8, 160, 160)  # 204,800 elements per sample, past the bound
+    assert x[0].numel() > DIRECTION_ELEMENTS
+    network = _OneBlock()
+    with (
+        torch.inference_mode(),
+        TransportFeatureExtractor(network, FeatureSpec(extra_directions=2)) as fx,
+    ):
+        network(x)
+        features = fx.features()
+    lead = x.reshape(2, -1)[:, :DIRECTION_ELEMENTS]
+    norm = lead.norm(dim=1, keepdim=True) * DIRECTION_ELEMENTS**0.5
+    expected = lead @ sign_directions(DIRECTION_ELEMENTS, 2) / norm
+    torch.testing.assert_close(features[:, 2:4], expected, rtol=1e-4, atol=1e-6)
