@@ -284,8 +284,7 @@ def write_bundle(
     ``/v1/explain`` and the page; ``second_network_dir`` is the saved second network of a spec
     with ``second=True`` (its weights go to ``second.safetensors``); ``operating_points`` are
     calibrations of the same scores at other target FPRs (:class:`OperatingPoint`); ``cost``
-    the Guard's measured cost (:func:`detector.cost.measure_cost`). Returns ``out_dir``.
-    """
+    the Guard's measured cost (:func:`detector.cost.measure_cost`). Returns ``out_dir``."""
     spec = features or FeatureSpec()
     network_dir = Path(network_dir)
     config = read_config(network_dir)

@@ -30,7 +30,11 @@ def _lint_imports() -> Path:
 
 
 def _python_files() -> list[Path]:
-    return sorted(p for folder in (*PACKAGES, "benchmarks", "references") for p in (ROOT / folder).rglob("*.py"))
+    return sorted(
+        p
+        for folder in (*PACKAGES, "benchmarks", "references")
+        for p in (ROOT / folder).rglob("*.py")
+    )
 
 
 def _user_text_files() -> list[Path]:

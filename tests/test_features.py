@@ -186,8 +186,8 @@ def test_spatial_statistics_known_answers() -> None:
     background[..., 2:6, 2:6] = 1.0
     noisy = background + 0.03 * torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(0))
     assert spatial_statistics(background)[0, 6] == 0 and spatial_statistics(noisy)[0, 6] > 0
-    with pytest.raises(ConfigError, match=r"\[N, C, H, W\] state"):
-        spatial_statistics(torch.zeros(2, 3, 4))
+    with pytest.raises(ConfigError, match=r"\[N, C, H, W\] or \[N, T, D\] state"):
+        spatial_statistics(torch.zeros(2, 3, 4, 5, 6))
 
 
 def test_sign_directions_are_balanced_fixed_and_nearly_orthogonal() -> None:
