@@ -5,20 +5,23 @@ change in the machine's load touches both sides alike (seed 003 §5.4.6: the tra
 come from the one forward pass that serves the prediction).
 
 Feature groups that run the network again declare it (:data:`EXTRA_PASSES`); a pipeline's
-feature-set choice keeps to a budget of ``1 + declared passes`` (:func:`declared_ratio`), and the
-bundle records the ratio measured on the machine that wrote it (:class:`GuardCost`).
+feature-set choice keeps to a budget, first by ``1 + declared passes`` (:func:`declared_ratio`),
+then by what each candidate's extraction measures on the network (:func:`feature_costs`); the
+bundle records the Guard's ratio measured on the machine that wrote it (:class:`GuardCost`).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
 
-from detector.features import FeatureSpec
+from detector.features import FeatureSpec, TransportFeatureExtractor
 from detector.networks import InputSpec
 from detector.squeeze import SQUEEZE_NAMES
 
@@ -56,25 +59,24 @@ def within_budget(specs: list[FeatureSpec], budget: float) -> list[FeatureSpec]:
     return [spec for spec in specs if declared_ratio(spec) <= budget + 1e-9]
 
 
-def measure_cost(
-    guard: Guard, batch: torch.Tensor, *, rounds: int = 7, budget: float | None = None
-) -> GuardCost:
-    """Time ``guard.predict(batch)`` and the guard's network on ``batch`` alone, alternately
-    (which goes first alternates too) after one warm-up of each; the ratio of the medians."""
-    model, device = guard.model, guard.device
+def within_measured_budget(
+    specs: list[FeatureSpec], costs: list[float], budget: float
+) -> list[FeatureSpec]:
+    """The feature sets whose measured cost (:func:`feature_costs`) is within ``budget``; the
+    first (the cheapest a config lists) always stays, so there is one to choose."""
+    return [specs[0], *(s for s, c in zip(specs[1:], costs[1:], strict=True) if c <= budget)]
 
-    @torch.inference_mode()
-    def plain() -> None:
-        model(batch.to(device, torch.float32))
 
-    def guarded() -> None:
-        guard.predict(batch)
-
-    plain()
-    guarded()
-    times: dict[str, list[float]] = {"plain": [], "guard": []}
+def interleaved_medians(
+    calls: dict[str, Callable[[], object]], *, rounds: int, device: torch.device
+) -> dict[str, float]:
+    """The median seconds of each call, timed in turns (the order alternating each round) after
+    one warm-up call each, so a change in the machine's load touches every call alike."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls.items())
     for round_ in range(rounds):
-        order = [("plain", plain), ("guard", guarded)]
         for name, call in order if round_ % 2 == 0 else order[::-1]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -83,10 +85,63 @@ def measure_cost(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times[name].append(time.perf_counter() - started)
-    ratio = statistics.median(times["guard"]) / statistics.median(times["plain"])
-    return GuardCost(
-        ratio=ratio, batch_size=len(batch), device=str(device), rounds=rounds, budget=budget
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def measure_cost(
+    guard: Guard, batch: torch.Tensor, *, rounds: int = 7, budget: float | None = None
+) -> GuardCost:
+    """Time ``guard.predict(batch)`` and the guard's network alone on ``batch`` in turns
+    (:func:`interleaved_medians`); the ratio of the medians."""
+    model, device = guard.model, guard.device
+
+    @torch.inference_mode()
+    def plain() -> None:
+        model(batch.to(device, torch.float32))
+
+    medians = interleaved_medians(
+        {"plain": plain, "guard": lambda: guard.predict(batch)}, rounds=rounds, device=device
     )
+    return GuardCost(
+        ratio=medians["guard"] / medians["plain"],
+        batch_size=len(batch),
+        device=str(device),
+        rounds=rounds,
+        budget=budget,
+    )
+
+
+def feature_costs(
+    model: nn.Module,
+    specs: list[FeatureSpec],
+    batch: torch.Tensor,
+    *,
+    second: nn.Module | None = None,
+    rounds: int = 5,
+) -> list[float]:
+    """(forward pass + each spec's features) / plain forward pass on ``batch``, all timed in
+    turns in one loop: what each candidate feature set costs on this network, before any
+    detector is fitted on it."""
+    device = next(model.parameters()).device
+    x = batch.to(device, torch.float32)
+    extractors = [
+        TransportFeatureExtractor(model, spec, second=second if spec.second else None)
+        for spec in specs
+    ]
+
+    def extract(extractor: TransportFeatureExtractor) -> Callable[[], object]:
+        @torch.inference_mode()
+        def call() -> object:
+            with extractor as fx:
+                model(x)
+                return fx.features()
+
+        return call
+
+    calls: dict[str, Callable[[], object]] = {"plain": torch.inference_mode()(lambda: model(x))}
+    calls.update({str(i): extract(e) for i, e in enumerate(extractors)})
+    medians = interleaved_medians(calls, rounds=rounds, device=device)
+    return [medians[str(i)] / medians["plain"] for i in range(len(specs))]
 
 
 def noise_batch(spec: InputSpec, size: int = COST_BATCH, *, seed: int = 0) -> torch.Tensor:

@@ -14,9 +14,11 @@ from detector.cost import (
     DEFAULT_BUDGET,
     EXTRA_PASSES,
     declared_ratio,
+    feature_costs,
     measure_cost,
     noise_batch,
     within_budget,
+    within_measured_budget,
 )
 from detector.errors import ConfigError
 from detector.features import (
@@ -45,7 +47,7 @@ def test_each_group_declares_its_extra_forward_passes() -> None:
 
 def test_a_pipeline_offers_only_the_candidates_within_its_budget(tmp_path: Path) -> None:
     quick = get_pipeline_preset("quick")
-    assert quick.cost_budget == 7.0 and len(quick.affordable_candidates()) == 10  # knowingly
+    assert quick.cost_budget is None and len(quick.affordable_candidates()) == 10  # knowingly
     (tmp_path / "model.safetensors").touch()
     imported = quick.on_network(tmp_path)
     offered = imported.affordable_candidates()
@@ -63,6 +65,17 @@ def test_a_pipeline_offers_only_the_candidates_within_its_budget(tmp_path: Path)
         )
     with pytest.raises(ConfigError, match="cost_budget: Input should be greater than or equal"):
         preset_config("smoke", cost_budget=0.5)
+
+
+def test_candidates_are_measured_on_the_network_and_kept_within_the_budget(
+    service_bundle: Path,
+) -> None:
+    network = Guard.from_bundle(service_bundle, device="cpu").model
+    specs = [FeatureSpec(), FeatureSpec(head=True), FeatureSpec(image=True, start=True)]
+    costs = feature_costs(network, specs, noise_batch(network.config.input_spec, 8), rounds=2)
+    assert len(costs) == 3 and all(np.isfinite(c) and c > 0 for c in costs)
+    assert within_measured_budget(specs, [9.0, 1.0, 1.2], 1.1) == specs[:2]  # the first stays
+    assert within_measured_budget(specs, [1.0, 1.3, 1.05], 1.1) == [specs[0], specs[2]]
 
 
 def test_the_measured_cost_is_recorded_in_the_bundle(service_bundle: Path) -> None:

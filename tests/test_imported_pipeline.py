@@ -63,6 +63,8 @@ def test_an_imported_resnet_reaches_a_bundle_without_training(resnet_run: Path) 
     assert manifest["network"]["input_spec"]["channels"] == 3
     assert manifest.get("second_network") is None  # the run had no other network to ask
     assert "| imported |" in (resnet_run / "report.md").read_text()
+    costs = read_json(resnet_run / "feature_costs.json")  # both one-pass candidates, measured
+    assert set(costs) == {"residues", "residues+head"} and all(c > 0 for c in costs.values())
 
 
 def test_a_live_server_answers_with_the_imported_bundle(resnet_run: Path) -> None:

@@ -47,6 +47,7 @@ REPORT_FILE = "report.md"
 PROGRESS_FILE = "progress.json"
 PIPELINE_LOG = "pipeline.log"
 TIMINGS_FILE = "timings.jsonl"
+FEATURE_COSTS_FILE = "feature_costs.json"  # what each candidate feature set costs
 MODELS_DIR = "models"
 ATTACKS_DIR = "attacks"
 FEATURES_DIR = "features"
@@ -174,6 +175,10 @@ class RunDir:
     @property
     def timings_file(self) -> Path:
         return self.path / TIMINGS_FILE
+
+    @property
+    def feature_costs_file(self) -> Path:
+        return self.path / FEATURE_COSTS_FILE
 
     @property
     def pipeline_log(self) -> Path:

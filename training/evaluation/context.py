@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from torch.utils.data import Dataset
 
 from detector import artefacts, networks
 from detector.base import Detector
+from detector.cost import feature_costs, noise_batch, within_measured_budget
 from detector.errors import ArtefactError, ConfigError
 from detector.features import FeatureSpec, extract_features
 from training.attacks import sets as adversarial
@@ -117,8 +119,40 @@ class PipelineRun:
         self._full: dict[str, NetworkSamples] = {}
         self._samples: dict[tuple[str, str], NetworkSamples] = {}
         self._specs: dict[tuple[str, str], FeatureSpec] = {}
-        self.candidates = config.affordable_candidates()
-        self.union = union_spec(self.candidates)
+
+    @cached_property
+    def candidates(self) -> list[FeatureSpec]:
+        """The candidate feature sets within the config's cost budget: declared
+        (:meth:`PipelineConfig.affordable_candidates`), then measured on the deploy network
+        (:meth:`feature_costs`); the first always stays, so there is one to choose."""
+        declared = self.config.affordable_candidates()
+        budget = self.config.cost_budget
+        if budget is None or len(declared) < 2:
+            return declared
+        costs = self.feature_costs(declared)
+        return within_measured_budget(declared, [costs[s.label()] for s in declared], budget)
+
+    @cached_property
+    def union(self) -> FeatureSpec:
+        """Every column any candidate reads: what the feature caches hold."""
+        return union_spec(self.candidates)
+
+    def feature_costs(self, specs: list[FeatureSpec]) -> dict[str, float]:
+        """(forward + features) / plain forward of each of ``specs`` on the deploy network at
+        batch 32 (:func:`detector.cost.feature_costs`), measured once and kept in the run
+        directory, so a resumed run offers the candidates it offered."""
+        path = self.dir.feature_costs_file
+        saved = artefacts.read_json(path, what="feature costs") if path.is_file() else {}
+        if all(spec.label() in saved for spec in specs):
+            return {str(k): float(v) for k, v in saved.items()}
+        name = self.config.deploy_model
+        model = self.model(name)
+        batch = noise_batch(model.config.input_spec)  # type: ignore[union-attr]
+        second = self.second_model(name, union_spec(specs))
+        ratios = feature_costs(model, specs, batch, second=second)
+        measured = {spec.label(): ratio for spec, ratio in zip(specs, ratios, strict=True)}
+        artefacts.write_json(path, measured)
+        return measured
 
     @classmethod
     def open(

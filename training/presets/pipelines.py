@@ -86,10 +86,8 @@ def validated(config: PipelineConfig, **changes: Any) -> PipelineConfig:
         ) from error
 
 
-# The LAP presets compare every candidate, the squeezed and second-opinion ones included, so
-# they raise the cost budget knowingly to what those declare (the network's pass, five squeezed
-# passes, the second network's pass); a user's network runs under the default budget.
-SQUEEZE_AND_SECOND = 7.0
+# The LAP presets compare every candidate, the squeezed and second-opinion ones included: they
+# set no cost budget, knowingly; a user's network runs under the default budget.
 QUICK_FEATURE_CANDIDATES = [c for c in FEATURE_CANDIDATES if c.image or c == FeatureOptions()]
 
 
@@ -167,10 +165,11 @@ class PipelineConfig(BaseModel):
     feature_candidates: list[FeatureOptions] = Field(
         default_factory=lambda: [FeatureOptions()], min_length=1
     )
-    # Guard time / the network's plain forward time the chosen features may cost, by the extra
-    # forward passes their groups declare (detector.cost): candidates above it are not offered.
-    # The default keeps the Guard to the one forward pass that serves the prediction.
-    cost_budget: float = Field(default=DEFAULT_BUDGET, ge=1, allow_inf_nan=False)
+    # Guard time / the network's plain forward time the chosen features may cost: candidates
+    # whose groups declare more forward passes, or whose extraction measures more on the deploy
+    # network (detector.cost), are not offered. The default keeps the Guard to the one forward
+    # pass that serves the prediction; None offers every candidate.
+    cost_budget: float | None = Field(default=DEFAULT_BUDGET, ge=1, allow_inf_nan=False)
     selection_detector: ServableName = "transport"  # the detector the selection fits
     # Detectors that choose their OWN feature set on the training side (the same selection,
     # fitting them instead); every other feature-reading detector, the deployed one included,
@@ -225,7 +224,7 @@ class PipelineConfig(BaseModel):
                     f"own_feature_selection: the deployed detector {name!r} reads the selection "
                     "detector's feature set, which the bundle ships"
                 )
-        if not self.affordable_candidates():
+        if self.cost_budget is not None and not self.affordable_candidates():
             cheapest = min(declared_ratio(c.spec()) for c in self.feature_candidates)
             raise ValueError(
                 f"no feature candidate fits cost_budget {self.cost_budget}: the cheapest "
@@ -239,8 +238,10 @@ class PipelineConfig(BaseModel):
         return self
 
     def affordable_candidates(self) -> list[FeatureSpec]:
-        """The candidate feature sets within :attr:`cost_budget`, in the config's order."""
-        return within_budget([c.spec() for c in self.feature_candidates], self.cost_budget)
+        """The candidate feature sets whose declared cost is within :attr:`cost_budget` (all
+        without one), in the config's order."""
+        specs = [c.spec() for c in self.feature_candidates]
+        return specs if self.cost_budget is None else within_budget(specs, self.cost_budget)
 
     @property
     def network_names(self) -> list[str]:
@@ -403,7 +404,7 @@ _FULL = PipelineConfig(
     mahalanobis_magnitudes=[0.0, 0.001],  # each magnitude > 0 costs a backward per layer
     learning_curve_attacks=["cw", "deepfool"],
     feature_candidates=FEATURE_CANDIDATES,
-    cost_budget=SQUEEZE_AND_SECOND,
+    cost_budget=None,
     selection_detector="ensemble",
     own_feature_selection=["transport"],  # as quick
     deploy_detector="ensemble",
@@ -421,7 +422,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         # Both candidates hold the other network's opinion, so every smoke bundle carries two
         # networks and the end-to-end tests serve the second one.
         feature_candidates=[FeatureOptions(second=True), FeatureOptions(head=True, second=True)],
-        cost_budget=2.0,  # the second network's pass, knowingly
+        cost_budget=None,  # the second network's pass, knowingly
         selection_detector="ensemble",
         own_feature_selection=["transport"],  # as quick
         deploy_detector="ensemble",
@@ -499,7 +500,7 @@ PIPELINE_PRESETS: dict[str, PipelineConfig] = {
         mahalanobis_magnitudes=[0.0, 0.001],  # each magnitude > 0 costs a backward per layer
         learning_curve_attacks=["cw", "deepfool"],
         feature_candidates=QUICK_FEATURE_CANDIDATES,
-        cost_budget=SQUEEZE_AND_SECOND,
+        cost_budget=None,
         selection_detector="ensemble",
         # The transport forests (TR) choose their own set: what the forests alone separate best
         # is not what the ensemble, with its clean-only parts, does best (docs/decisions.md,
