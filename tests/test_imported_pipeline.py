@@ -133,3 +133,19 @@ def test_a_network_the_run_cannot_use_is_one_line_and_writes_nothing(
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and expected in error
     assert not (tmp_path / "run").exists()
+
+
+def test_an_imported_network_holds_back_test_images_for_its_calibration(
+    resnet_run: Path, data_root: Path, tmp_path: Path
+) -> None:
+    """Its training images are unknown, so the ood_n test images after those the attacks use are
+    its held-back ones: quick's 10,000-image FGM set leaves 1,000 of Fashion-MNIST's 10,000."""
+    from training.evaluation.context import PipelineRun, validation_images
+    from training.presets.pipelines import get_pipeline_preset
+
+    quick = get_pipeline_preset("quick").on_network(resnet_run / "models" / "network")
+    run = PipelineRun(quick, tmp_path / "run", root=data_root)
+    assert run.test_count("network") == 9000
+    smoke = PipelineRun.open(resnet_run, root=data_root)
+    held_back = validation_images(smoke, "network")
+    assert held_back.shape == (200, 3, 32, 32) and smoke.test_count("network") == 600

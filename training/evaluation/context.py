@@ -191,11 +191,25 @@ class PipelineRun:
     def test_images(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(images, labels, source indices) of the test images every attack of ``name`` uses."""
         if name not in self._images:
-            n_max = max(a.n_for(name) for a in self.config.attacks)
             self._images[name] = attack_images(
-                self.dir.model(name), split="test", n=n_max, seed=0, root=self.root
+                self.dir.model(name), split="test", n=self.test_count(name), seed=0, root=self.root
             )
         return self._images[name]
+
+    def test_count(self, name: str) -> int:
+        """How many test images network ``name``'s attacks and clean samples draw on: the most
+        any attack asks for; for an imported network at most the test split less the ``ood_n``
+        images held back after them (:func:`validation_images`)."""
+        n_max = max(a.n_for(name) for a in self.config.attacks)
+        if name not in self.config.imported:
+            return n_max
+        total = len(load_dataset(self.config.dataset, "test", root=self.root))  # type: ignore[arg-type]
+        if total <= self.config.ood_n:
+            raise ConfigError(
+                f"{self.config.dataset}'s test split has {total} images: an imported network "
+                f"needs more than ood_n ({self.config.ood_n}) to hold some back"
+            )
+        return min(n_max, total - self.config.ood_n)
 
     def attack_set(self, name: str, key: str) -> adversarial.AdversarialSet:
         """The configured attack ``key`` on network ``name`` (generated once, then loaded)."""
@@ -380,9 +394,8 @@ def validation_images(run: PipelineRun, name: str) -> np.ndarray:
     imported network's training images are unknown: its held-back images are the ``ood_n`` test
     images that follow, in the same seeded order, those its attacks and clean samples use."""
     if name in run.config.imported:
-        used = max(a.n_for(name) for a in run.config.attacks)
-        model_dir = run.dir.model(name)
-        return images_after(model_dir, skip=used, n=run.config.ood_n, root=run.root)
+        skip, n = run.test_count(name), run.config.ood_n
+        return images_after(run.dir.model(name), skip=skip, n=n, root=run.root)
     held_back = validation_set(run, name)
     if not len(held_back):  # type: ignore[arg-type]
         return np.empty(0, np.float32)

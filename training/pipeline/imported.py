@@ -70,7 +70,7 @@ def import_network(run: PipelineRun, name: str) -> dict[str, Any]:
 
 def _accuracy(run: PipelineRun, name: str, model: networks.Network) -> dict[str, Any]:
     """Accuracy on the test images the run's attacks and clean samples use."""
-    n = max(spec.n_for(name) for spec in run.config.attacks)
+    n = run.test_count(name)
     x, y = to_arrays(load_dataset(run.config.dataset, "test", root=run.root), n, seed=0)
     spec = model.config.input_spec  # type: ignore[union-attr]
     predicted = predict_labels(model, in_input_spec(x, spec), device=run.device)
