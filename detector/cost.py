@@ -119,8 +119,8 @@ def feature_costs(
     second: nn.Module | None = None,
     rounds: int = 5,
 ) -> list[float]:
-    """(forward pass + each spec's features) / plain forward pass on ``batch``, all timed in
-    turns in one loop: what each candidate feature set costs on this network, before any
+    """(forward pass + each spec's features) / plain forward pass on ``batch``, each timed in
+    turns with the plain pass: what each candidate feature set costs on this network, before any
     detector is fitted on it."""
     device = next(model.parameters()).device
     x = batch.to(device, torch.float32)
@@ -138,10 +138,14 @@ def feature_costs(
 
         return call
 
-    calls: dict[str, Callable[[], object]] = {"plain": torch.inference_mode()(lambda: model(x))}
-    calls.update({str(i): extract(e) for i, e in enumerate(extractors)})
-    medians = interleaved_medians(calls, rounds=rounds, device=device)
-    return [medians[str(i)] / medians["plain"] for i in range(len(specs))]
+    plain = torch.inference_mode()(lambda: model(x))
+    ratios = []
+    for extractor in extractors:  # each against the plain pass in turns, as measure_cost does
+        medians = interleaved_medians(
+            {"plain": plain, "features": extract(extractor)}, rounds=rounds, device=device
+        )
+        ratios.append(medians["features"] / medians["plain"])
+    return ratios
 
 
 def noise_batch(spec: InputSpec, size: int = COST_BATCH, *, seed: int = 0) -> torch.Tensor:
