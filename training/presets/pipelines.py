@@ -71,23 +71,10 @@ FEATURE_CANDIDATES = [
     FeatureOptions(image=True, nss=True, start=True, head=True, squeeze=True, second=True),
 ]
 
-
 # The quick preset's: the residues alone (the baseline) and every candidate with the image group.
 # The five others without it scored 5-10 points below the image group's on the training side of
 # both networks, for the ensemble and for TR, in every quick run measured; each costs ~6 s per
 # network and selecting detector. The full preset offers all of them.
-def validated(config: PipelineConfig, **changes: Any) -> PipelineConfig:
-    """``config`` with ``changes``, checked again (a ConfigError says what does not hold)."""
-    try:
-        return PipelineConfig.model_validate({**config.model_dump(), **changes})
-    except ValidationError as error:
-        raise ConfigError(
-            f"pipeline {config.name}: {validation_problems(error.errors())}"
-        ) from error
-
-
-# The LAP presets compare every candidate, the squeezed and second-opinion ones included: they
-# set no cost budget, knowingly; a user's network runs under the default budget.
 QUICK_FEATURE_CANDIDATES = [c for c in FEATURE_CANDIDATES if c.image or c == FeatureOptions()]
 
 
@@ -290,6 +277,19 @@ class PipelineConfig(BaseModel):
     def seen_keys(self) -> list[str]:
         return self.seen if self.seen is not None else [a.key for a in self.attacks]
 
+
+def validated(config: PipelineConfig, **changes: Any) -> PipelineConfig:
+    """``config`` with ``changes``, checked again (a ConfigError says what does not hold)."""
+    try:
+        return PipelineConfig.model_validate({**config.model_dump(), **changes})
+    except ValidationError as error:
+        raise ConfigError(
+            f"pipeline {config.name}: {validation_problems(error.errors())}"
+        ) from error
+
+
+# The LAP presets compare every candidate, the squeezed and second-opinion ones included: they
+# set no cost budget, knowingly; a user's network runs under the default budget.
 
 # CW-L2 as the CPU presets run it: ART's algorithm (cw-batched) with 5 binary-search steps from
 # c = 0.3 instead of 10 from c = 0.01, which spend their first steps doubling c up to where an
