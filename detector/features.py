@@ -244,11 +244,12 @@ class TransportFeatureExtractor:
         self.value_range = value_range or network_value_range(model)
         self.extra_directions = int(self.spec.extra_directions)
         self.line_shape = bool(self.spec.line_shape)
-        self._taps = ResidualTaps(model, self.spec.taps, transform=self._reduce)
+        self._taps = ResidualTaps(model, self.spec.taps, transform=self._reduce, reduces=True)
         self._embedding_taps = Taps(
             model,
             [Tap(embedding_tap(name)) for name in self._taps.names] if self.spec.embeddings else [],
             transform=self._statistics,
+            reduces=True,
         )
         self._head = Taps(model, [Tap("", "output")], transform=head_statistics)
         self._start = Taps(

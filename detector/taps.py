@@ -48,8 +48,11 @@ class Taps:
     """The one hook helper: a context manager recording (a transform of) what each tap sees.
 
     ``transform`` runs inside the hook (e.g. a reduction), so the full tensor need not be kept;
-    by default the tensor itself is kept, with its autograd graph. Hooks exist only inside the
-    ``with`` block, so a model is never left instrumented; ``outputs`` are in tap order.
+    by default the tensor itself is kept, with its autograd graph. ``reduces`` says that the
+    transform returns new tensors that share nothing with what it saw (a reduction, not a view),
+    so a network that adds into the tapped tensor in place need not copy it first when no
+    gradient flows. Hooks exist only inside the ``with`` block, so a model is never left
+    instrumented; ``outputs`` are in tap order.
     """
 
     def __init__(
@@ -58,10 +61,12 @@ class Taps:
         taps: Sequence[str | Tap],
         *,
         transform: Transform | None = None,
+        reduces: bool = False,
     ) -> None:
         self.model = model
         self.taps = [tap if isinstance(tap, Tap) else Tap(tap) for tap in taps]
         self.transform = transform
+        self.reduces = reduces and transform is not None
         modules = dict(model.named_modules())
         missing = [tap.module for tap in self.taps if tap.module not in modules]
         if missing:
@@ -94,13 +99,14 @@ class Taps:
         return self
 
     def _recorder(self, index: int) -> Callable[..., None]:
-        """The forward hook recording tap ``index``'s output, marked when it keeps the tensor
-        itself (no transform), so a network that adds in place after the tap copies it first."""
+        """The forward hook recording tap ``index``'s output, marked when what it records may
+        share the tensor (unless ``reduces``), so a network that adds in place after the tap
+        copies it first."""
 
         def record(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
             self._record(index, output)
 
-        setattr(record, KEEPS_TENSOR, self.transform is None)
+        setattr(record, KEEPS_TENSOR, not self.reduces)
         return record
 
     def __exit__(self, *exc: object) -> None:
@@ -129,9 +135,11 @@ class ResidualTaps(Taps):
         names: Sequence[str] | None = None,
         *,
         transform: Transform | None = None,
+        reduces: bool = False,
     ) -> None:
         super().__init__(
             model,
             list(names) if names is not None else default_tap_names(model),
             transform=transform,
+            reduces=reduces,
         )
